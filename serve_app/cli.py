@@ -1,0 +1,207 @@
+"""`specserve` command line: generate, bench.
+
+Exit codes: 0 all requests succeeded; 1 some requests failed (each reported with its line number,
+the others finished); 2 bad arguments or an unusable file/model (nothing was generated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+
+from pydantic import ValidationError
+
+from .config import EMBEDDED, EngineConfig, ModelConfig, SamplingParams
+
+
+class UsageError(Exception):
+    """A one-line error for the user; exits with status 2."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("SPECSERVE_LOG", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except UsageError as e:
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as e:  # model loading and config errors
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specserve", description="Speculative decoding with continuous batching.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate completions for a JSONL file of prompts")
+    g.add_argument("--prompts", required=True, help='JSONL: {"prompt": ...} or {"messages": [...]} per line')
+    g.add_argument("--out", required=True, help="JSONL output, one line per input line, in input order")
+    _model_args(g)
+    _engine_args(g)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmarks that print ratios against a baseline run in the same process")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    be = bsub.add_parser("engine", help="engine tokens/s vs Hugging Face generate (batch 1 and concurrent)")
+    _model_args(be)
+    be.add_argument("--max-tokens", type=int, default=64)
+    be.add_argument("--num-prompts", type=int, default=4, help="prompts for the batch-1 runs")
+    be.add_argument("--ks", default="1,2,4", help="fixed k values to run at batch 1")
+    be.add_argument("--concurrency", type=int, default=16)
+    be.add_argument("--out", default=None, help="also write the results as JSON here")
+    be.set_defaults(func=_cmd_bench_engine)
+    return p
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=EMBEDDED, help="embedded (default), hub id, local dir or .gguf")
+    p.add_argument("--draft", default=None, help="draft model, truncated:N, or none (default: the target's default)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policy", default="none", help="none | fixed:K")
+    p.add_argument("--batch-size", type=int, default=8, help="most requests decoded together")
+    p.add_argument("--max-num-tokens", type=int, default=None, help="KV budget in tokens")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
+
+
+def _configs(args) -> tuple[ModelConfig, EngineConfig]:
+    from .policy import make_policy
+
+    try:
+        make_policy(args.policy)  # unknown policies fail before any model loads
+        mc = ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
+        extra = {k: v for k, v in (("max_num_tokens", args.max_num_tokens), ("max_model_len", args.max_model_len)) if v}
+        ec = EngineConfig(policy=args.policy, max_batch_size=args.batch_size, **extra)
+    except ValidationError as e:
+        raise UsageError(_first_error(e)) from None
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if ec.policy == "none" and mc.draft is None:
+        mc.draft = "none"  # plain decoding needs no draft
+    return mc, ec
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    where = ".".join(str(x) for x in err["loc"])
+    return f"{where}: {err['msg']}" if where else err["msg"]
+
+
+def read_jobs(path: str, defaults: dict) -> list[dict]:
+    """One job per line: {'line', 'prompt'|'messages', 'params'} or {'line', 'error'}."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read prompts file {path}: {e}") from None
+    jobs = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        job: dict = {"line": i}
+        try:
+            obj = json.loads(line)
+            if not isinstance(obj, dict):
+                raise ValueError("expected a JSON object")
+            unknown = set(obj) - {"prompt", "messages", *SamplingParams.model_fields}
+            if unknown:
+                raise ValueError(f"unknown field(s) {sorted(unknown)}")
+            job["prompt"], job["messages"] = obj.get("prompt"), obj.get("messages")
+            fields = {**defaults, **{k: v for k, v in obj.items() if k in SamplingParams.model_fields}}
+            job["params"] = SamplingParams(**fields)
+        except json.JSONDecodeError as e:
+            job["error"] = f"malformed JSON: {e.msg} (column {e.colno})"
+        except ValidationError as e:
+            job["error"] = _first_error(e)
+        except ValueError as e:
+            job["error"] = str(e)
+        jobs.append(job)
+    if not jobs:
+        raise UsageError(f"prompts file {path} holds no prompts")
+    return jobs
+
+
+def cmd_generate(args) -> int:
+    mc, ec = _configs(args)
+    try:
+        defaults = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+        ).model_dump()
+    except ValidationError as e:
+        raise UsageError(_first_error(e)) from None
+    jobs = read_jobs(args.prompts, defaults)
+    try:
+        out_file = open(args.out, "w", encoding="utf-8")
+    except OSError as e:
+        raise UsageError(f"cannot write {args.out}: {e}") from None
+
+    from .models import load_models
+    from .scheduler import Engine
+
+    engine = Engine.from_models(load_models(mc), ec)
+    results = asyncio.run(_generate_all(engine, jobs))
+    failed = 0
+    with out_file:
+        for job, res in zip(jobs, results):
+            if "error" in res:
+                failed += 1
+                print(f"{args.prompts}:{job['line']}: {res['error']}", file=sys.stderr)
+            out_file.write(json.dumps(res, ensure_ascii=False) + "\n")
+    return 1 if failed else 0
+
+
+async def _generate_all(engine, jobs: list[dict]) -> list[dict]:
+    """Every job through the continuous batcher at once; the engine admits up to its batch size."""
+    from .prompts import encode_prompt
+
+    async def one(job: dict) -> dict:
+        if "error" in job:
+            return {"error": job["error"]}
+        try:
+            ids = encode_prompt(engine.tokenizer, job["prompt"], job["messages"])
+            text, token_ids = [], []
+            async for out in engine.generate(ids, job["params"]):
+                text.append(out.text)
+                token_ids += out.token_ids
+                if out.finished:
+                    if out.error:
+                        return {"error": out.error}
+                    return {
+                        "text": "".join(text),
+                        "token_ids": token_ids,
+                        "finish_reason": out.finish_reason,
+                        "stats": out.stats.to_dict(),
+                    }
+        except ValueError as e:
+            return {"error": str(e)}
+        return {"error": "generation ended without a final output"}
+
+    return await asyncio.gather(*(one(j) for j in jobs))
+
+
+def _cmd_bench_engine(args) -> int:
+    from .bench import bench_engine
+
+    ks = [int(k) for k in args.ks.split(",") if k.strip()]
+    mc = ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
+    bench_engine(mc, args.max_tokens, args.num_prompts, ks, args.concurrency, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

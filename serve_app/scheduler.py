@@ -1,0 +1,318 @@
+"""Continuous batching with speculative decoding: admit, step, evict, stream.
+
+`Engine.step()` is the hot path (see DESIGN.md, "One engine step"): admit waiting requests (prefill),
+ask the policy for k, draft proposes, target verifies in one forward, both commit, stream what was
+accepted, evict what finished. `Engine.generate()` streams one request's outputs as an async
+iterator; a background task runs steps in a worker thread while any request is in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+import torch
+
+from .config import EngineConfig, SamplingParams
+from .kv import compact_rows
+from .policy import BatchState, Policy, make_policy
+from .stats import RequestStats, StepStats
+from .textstream import TextStream
+from .worker import ModelWorker, Proposal
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """One streamed piece of a request: newly final text and the token ids behind it."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    """stop (EOS or a stop string), length (max_tokens or context), abort, error."""
+    error: str | None = None
+    stats: RequestStats | None = None
+    """Set on the final output."""
+
+
+@dataclass
+class Request:
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: TextStream
+    reserve: int  # KV tokens held against the budget while running
+    arrival: float = field(default_factory=time.perf_counter)
+    output_ids: list[int] = field(default_factory=list)
+    stats: RequestStats = field(default_factory=RequestStats)
+    cancelled: bool = False
+    finished: bool = False
+    queue: asyncio.Queue | None = None
+
+
+class Engine:
+    def __init__(
+        self,
+        target: ModelWorker,
+        draft: ModelWorker | None,
+        tokenizer,
+        config: EngineConfig | None = None,
+        policy: Policy | None = None,
+        eos_ids: set[int] | None = None,
+        vocab_size: int | None = None,
+    ):
+        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self.config = config or EngineConfig()
+        self.policy = policy or make_policy(self.config.policy)
+        self.max_model_len = self.config.max_model_len or min(
+            getattr(target.model.config, "max_position_embeddings", 4096) or 4096, 4096
+        )
+        self.eos_ids = eos_ids if eos_ids is not None else _eos_ids(target.model, tokenizer)
+        self.vocab_size = vocab_size or target.model.get_output_embeddings().weight.shape[0]
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # running[row]: rows match both workers' `order`
+        self.reserved = 0
+        self.on_step: list[Callable[[StepStats], None]] = []  # observers (metrics, benchmarks)
+        self._ids = itertools.count()
+        self._loop_task: asyncio.Task | None = None
+
+    @classmethod
+    def from_models(cls, models, config: EngineConfig | None = None, policy: Policy | None = None) -> "Engine":
+        pad = models.tokenizer.pad_token_id or 0
+        target = ModelWorker(models.target, "target", pad)
+        draft = ModelWorker(models.draft, "draft", pad) if models.draft is not None else None
+        return cls(target, draft, models.tokenizer, config, policy)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
+        """Validate and queue a request; bad input raises ValueError and touches nothing."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValueError("prompt is empty")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens but the context limit is {self.max_model_len} "
+                "(prompt plus at least one generated token)"
+            )
+        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt holds token ids outside the vocabulary [0, {self.vocab_size})")
+        if len(params.stop) > self.config.max_stop_strings:
+            raise ValueError(f"at most {self.config.max_stop_strings} stop strings, got {len(params.stop)}")
+        reserve = min(n + params.max_tokens, self.max_model_len) + self.config.max_k + 1
+        if reserve > self.config.max_num_tokens:
+            raise ValueError(
+                f"request needs {reserve} KV tokens (prompt {n} + max_tokens {params.max_tokens} + "
+                f"speculation window) but the KV budget is {self.config.max_num_tokens}"
+            )
+        rid = request_id or f"req-{next(self._ids)}"
+        req = Request(rid, list(prompt_ids), params, TextStream(self.tokenizer, params.stop), reserve)
+        req.stats.prompt_tokens = n
+        self.waiting.append(req)
+        return req
+
+    def abort(self, req: Request) -> None:
+        """Mark a request cancelled; it leaves the batch (and frees its KV) at the next step."""
+        req.cancelled = True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self) -> list[tuple[Request, RequestOutput]]:
+        """One engine iteration over the whole batch. Returns (request, output) pairs to stream."""
+        t0 = time.perf_counter()
+        st = StepStats()
+        outs = self._drop_cancelled()
+        outs += self._admit(st)
+        if self.running:
+            k = self.policy.choose(BatchState(len(self.running), self.config.max_k, self.draft is not None))
+            ids = [r.id for r in self.running]
+            t = time.perf_counter()
+            proposal = self.draft.propose(ids, k) if k > 0 else Proposal(torch.zeros((len(ids), 0), dtype=torch.long))
+            st.draft_s += time.perf_counter() - t
+            t = time.perf_counter()
+            num_accepted, next_tokens = self.target.verify(ids, proposal)
+            st.verify_s += time.perf_counter() - t
+            new = [d[:n] + [nt] for d, n, nt in zip(proposal.tokens.tolist(), num_accepted, next_tokens)]
+            if self.draft is not None:
+                t = time.perf_counter()
+                self.draft.commit(ids, new)
+                st.draft_s += time.perf_counter() - t
+            st.batch_size, st.k, st.proposed = len(ids), k, k * len(ids)
+            st.accepted = sum(num_accepted)
+            st.accepted_per_position = [sum(n > i for n in num_accepted) for i in range(k)]
+            st.generated = sum(len(x) for x in new)
+            for req, n, toks in zip(self.running, num_accepted, new):
+                req.stats.add_step(k, n)
+                outs.append((req, self._advance(req, toks)))
+            self._evict([r for r in self.running if r.finished])
+        st.other_s = time.perf_counter() - t0 - st.draft_s - st.verify_s
+        if st.batch_size:
+            self.policy.observe(st)
+        for fn in self.on_step:
+            fn(st)
+        return outs
+
+    def _admit(self, st: StepStats) -> list[tuple[Request, RequestOutput]]:
+        """Prefill waiting requests while the batch and the KV budget allow (FIFO, no overtaking)."""
+        new: list[Request] = []
+        while self.waiting and len(self.running) + len(new) < self.config.max_batch_size:
+            req = self.waiting[0]
+            if self.reserved + req.reserve > self.config.max_num_tokens:
+                break
+            self.waiting.popleft()
+            if req.cancelled:
+                continue
+            new.append(req)
+            self.reserved += req.reserve
+        if not new:
+            return []
+        ids = [r.id for r in new]
+        now = time.perf_counter()
+        for r in new:
+            r.stats.queue_s = now - r.arrival
+        workers = [self.target] + ([self.draft] if self.draft is not None else [])
+        for w in workers:
+            w.add(ids, [r.prompt_ids for r in new], [r.params for r in new])
+        self.running += new
+        t = time.perf_counter()
+        _, first = self.target.verify(ids, Proposal(torch.zeros((len(ids), 0), dtype=torch.long)))
+        st.verify_s += time.perf_counter() - t
+        if self.draft is not None:
+            t = time.perf_counter()
+            self.draft.prefill(ids)
+            self.draft.commit(ids, [[f] for f in first])
+            st.draft_s += time.perf_counter() - t
+        st.prefilled = len(new)
+        outs = [(r, self._advance(r, [f])) for r, f in zip(new, first)]
+        self._evict([r for r in new if r.finished])
+        return outs
+
+    def _advance(self, req: Request, tokens: list[int]) -> RequestOutput:
+        """Append accepted tokens to a request, applying EOS, max_tokens, context and stop strings."""
+        p = req.params
+        reason = None
+        taken: list[int] = []
+        text = ""
+        for tok in tokens:
+            taken.append(tok)
+            n_out = len(req.output_ids) + len(taken)
+            if tok in self.eos_ids and not p.ignore_eos:
+                reason = "stop"
+            elif n_out >= p.max_tokens or len(req.prompt_ids) + n_out >= self.max_model_len:
+                reason = "length"
+            if p.stop:  # one token at a time, so ids end where the stop string completed
+                text += req.stream.push([tok])
+                if req.stream.stopped:
+                    reason = "stop"
+            if reason:
+                break
+        if not p.stop:
+            text = req.stream.push(taken)
+        req.output_ids += taken
+        if not req.stats.generated_tokens:
+            req.stats.ttft_s = time.perf_counter() - req.arrival
+        req.stats.generated_tokens = len(req.output_ids)
+        out = RequestOutput(req.id, text, taken)
+        if reason:
+            out.text += req.stream.flush()
+            self._finish(req, out, reason)
+        return out
+
+    def _finish(self, req: Request, out: RequestOutput, reason: str, error: str | None = None) -> None:
+        req.finished = True
+        req.stats.total_s = time.perf_counter() - req.arrival
+        out.finished, out.finish_reason, out.error, out.stats = True, reason, error, req.stats
+
+    def _evict(self, reqs: list[Request]) -> None:
+        """Remove finished requests from both workers and free their KV budget."""
+        if not reqs:
+            return
+        gone = {r.id for r in reqs}
+        for w in (self.target, self.draft):
+            if w is not None:
+                w.remove(list(gone))
+        by_id = {r.id: r for r in self.running}
+        order, _ = compact_rows([r.id for r in self.running], gone)
+        self.running = [by_id[i] for i in order]
+        self.reserved -= sum(r.reserve for r in reqs)
+
+    def _drop_cancelled(self) -> list[tuple[Request, RequestOutput]]:
+        gone = [r for r in self.running if r.cancelled]
+        outs = []
+        for r in gone:
+            out = RequestOutput(r.id)
+            self._finish(r, out, "abort")
+            outs.append((r, out))
+        self._evict(gone)
+        return outs
+
+    def fail_all(self, message: str) -> list[tuple[Request, RequestOutput]]:
+        """End every request in flight with an error (a worker failed); the engine stays usable."""
+        outs = []
+        for r in self.running + list(self.waiting):
+            out = RequestOutput(r.id)
+            self._finish(r, out, "error", message)
+            outs.append((r, out))
+        try:
+            self._evict(list(self.running))
+        except Exception:  # a broken worker may not clean up; start its bookkeeping afresh
+            log.exception("evicting after a failed step")
+            self.running, self.reserved = [], 0
+        self.waiting.clear()
+        return outs
+
+    # ---- driving -----------------------------------------------------------------------------
+    def run(self, requests: list[Request]) -> None:
+        """Step until the given (already submitted) requests finish; for offline use and benchmarks."""
+        while any(not r.finished for r in requests):
+            self.step()
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs as tokens are accepted. Raises ValueError on bad input."""
+        req = self.submit(prompt_ids, params, request_id)
+        req.queue = asyncio.Queue()
+        self._ensure_loop()
+        try:
+            while True:
+                out = await req.queue.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if not req.finished:
+                self.abort(req)
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while self.has_work():
+            try:
+                outs = await asyncio.to_thread(self.step)
+            except Exception as e:  # never leave callers hanging on a failed step
+                log.exception("engine step failed")
+                outs = self.fail_all(f"engine step failed: {type(e).__name__}: {e}")
+            for req, out in outs:
+                if req.queue is not None:
+                    req.queue.put_nowait(out)
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return set()
+    return set(ids) if isinstance(ids, (list, tuple)) else {int(ids)}

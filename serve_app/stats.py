@@ -1,0 +1,82 @@
+"""Step and request statistics: the numbers that feed metrics, policies and profiles."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class StepStats:
+    """What one engine step did, across the whole running batch."""
+
+    batch_size: int = 0
+    """Sequences decoded in this step."""
+    k: int = 0
+    """Speculation length chosen for this step."""
+    proposed: int = 0
+    """Draft tokens proposed (batch_size * k)."""
+    accepted: int = 0
+    """Draft tokens the target accepted."""
+    accepted_per_position: list[int] = field(default_factory=list)
+    """accepted_per_position[i]: sequences whose draft token i was accepted (length k)."""
+    generated: int = 0
+    """Tokens committed this step (accepted + one recovered or bonus per sequence)."""
+    prefilled: int = 0
+    """Sequences admitted (prefilled) this step."""
+    draft_s: float = 0.0
+    """Seconds in draft forwards (proposals and draft prefill)."""
+    verify_s: float = 0.0
+    """Seconds in target forwards (verification and target prefill)."""
+    other_s: float = 0.0
+    """Seconds in everything else: scheduling, acceptance bookkeeping, detokenizing."""
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class RequestStats:
+    """One request's totals, returned with its last output."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    """Decode steps this request took part in (prefill not counted)."""
+    proposed: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    queue_s: float = 0.0
+    """Seconds from arrival to admission."""
+    ttft_s: float = 0.0
+    """Seconds from arrival to the first generated token."""
+    total_s: float = 0.0
+    """Seconds from arrival to finish."""
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tpot_s(self) -> float:
+        """Time per output token after the first."""
+        n = self.generated_tokens - 1
+        return (self.total_s - self.ttft_s) / n if n > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["acceptance_rate"] = round(self.acceptance_rate, 4)
+        d["tpot_s"] = self.tpot_s
+        return d
+
+    def add_step(self, k: int, num_accepted: int) -> None:
+        self.steps += 1
+        self.proposed += k
+        self.accepted += num_accepted
+        if len(self.accepted_per_position) < k:
+            self.accepted_per_position += [0] * (k - len(self.accepted_per_position))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1

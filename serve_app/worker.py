@@ -1,0 +1,221 @@
+"""One model (draft or target) with the KV state of the sequences in flight.
+
+The engine drives a pair of these; the Ray deployments wrap each in its own actor. Only token ids
+(and, when sampling, the draft distributions) cross between them:
+
+  draft.propose(ids, k)           -> Proposal: k tokens per sequence (+ q when sampling)
+  target.verify(ids, proposal)    -> accepted count and one recovered/bonus token per sequence
+  draft.commit(ids, new_tokens)   -> draft appends what was accepted, rolls back the rest
+
+A sequence's `tokens` are its committed tokens (prompt + output); positions [0, kv_len) of its KV row
+hold tokens[:kv_len]; tokens[kv_len:] are pending and get fed at the start of the next forward.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import SamplingParams
+from .kv import SlotKVCache, causal_mask, compact_rows, ragged_inputs
+from .speculative import accept_greedy, accept_sampled, sample, warp_probs
+
+
+@dataclass
+class Proposal:
+    """What the draft sends the target for one step."""
+
+    tokens: torch.Tensor  # [B, k] long
+    probs: torch.Tensor | None = None  # [B, k, V]: q for sampled rows (None when all rows are greedy)
+
+
+@dataclass
+class Sequence:
+    tokens: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    kv_len: int = 0
+    proposal_kv: int = -1  # draft: kv_len right after its last proposal; -1 = none outstanding
+    extra: dict = field(default_factory=dict)
+
+
+class ModelWorker:
+    """Holds a causal LM and the per-sequence state for it; rows follow `order`."""
+
+    def __init__(self, model: torch.nn.Module, role: str, pad_id: int = 0):
+        self.model = model.eval()
+        self.role = role
+        self.pad_id = pad_id
+        self.device = next(model.parameters()).device
+        impl = getattr(model.config, "_attn_implementation", "sdpa")
+        if impl not in ("sdpa", "eager"):
+            raise ValueError(f"{role} model uses attention {impl!r}; specserve needs 'sdpa' or 'eager'")
+        self.mask_dtype = None if impl == "sdpa" else model.dtype
+        self.cache = SlotKVCache()
+        self.seqs: dict[str, Sequence] = {}
+        self.order: list[str] = []  # order[row] = sequence id
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def add(self, seq_ids: list[str], prompts: list[list[int]], params: list[SamplingParams]) -> None:
+        """Register new sequences in the rows after the running ones (no forward yet)."""
+        for sid, prompt, p in zip(seq_ids, prompts, params):
+            if sid in self.seqs:
+                raise ValueError(f"sequence {sid!r} already exists")
+            gen = torch.Generator().manual_seed(_role_seed(p.seed, self.role))
+            self.seqs[sid] = Sequence(tokens=list(prompt), params=p, generator=gen)
+            self.order.append(sid)
+
+    @torch.inference_mode()
+    def remove(self, seq_ids: list[str]) -> None:
+        """Drop finished sequences and compact rows (the engine mirrors this with compact_rows)."""
+        gone = set(seq_ids) & set(self.seqs)
+        new_order, moves = compact_rows(self.order, gone)
+        rows = list(self.order)  # who sits in each row as the moves apply
+        for src, dst in moves:
+            rows[dst] = rows[src]
+            self.cache.move_row(src, dst, self.seqs[rows[src]].kv_len)
+        for sid in gone:
+            del self.seqs[sid]
+        self.order = new_order
+
+    @torch.inference_mode()
+    def prefill(self, seq_ids: list[str]) -> None:
+        """Feed every pending token so the KV catches up (draft: prompts of new sequences)."""
+        seqs = self._rows(seq_ids)
+        self._forward(seq_ids, [s.tokens[s.kv_len :] for s in seqs], keep=1)
+        for s in seqs:
+            s.kv_len = len(s.tokens)
+
+    # ---- draft side --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, seq_ids: list[str], k: int) -> Proposal:
+        """k autoregressive draft forwards; the first also feeds each sequence's pending tokens."""
+        seqs = self._rows(seq_ids)
+        lens = [len(s.tokens) for s in seqs]
+        fed = [s.tokens[s.kv_len :] for s in seqs]
+        tokens, probs = [], []
+        for j in range(k):
+            logits = self._forward(seq_ids, fed, keep=1, starts=[n + j - len(f) for n, f in zip(lens, fed)])
+            tok, q = self._draw(seqs, logits[:, -1])
+            tokens.append(tok)
+            probs.append(q)
+            fed = [[t] for t in tok.tolist()]
+        for s, n in zip(seqs, lens):
+            s.proposal_kv = n + k - 1 if k > 0 else -1
+        if k == 0:
+            return Proposal(torch.zeros((len(seqs), 0), dtype=torch.long))
+        any_sampled = any(not s.params.greedy for s in seqs)
+        return Proposal(torch.stack(tokens, 1), torch.stack(probs, 1) if any_sampled else None)
+
+    def commit(self, seq_ids: list[str], new_tokens: list[list[int]]) -> None:
+        """Append each sequence's accepted drafts + target token; keep only KV that is still valid."""
+        for sid, new in zip(seq_ids, new_tokens):
+            s = self.seqs[sid]
+            committed = len(s.tokens)
+            if s.proposal_kv >= 0:
+                # KV holds the proposal's first k-1 tokens; the first len(new)-1 of them were accepted.
+                s.kv_len = min(s.proposal_kv, committed + len(new) - 1)
+                s.proposal_kv = -1
+            s.tokens.extend(new)
+
+    # ---- target side -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def verify(self, seq_ids: list[str], proposal: Proposal) -> tuple[list[int], list[int]]:
+        """Score pending + k draft tokens of every sequence in ONE forward; accept; commit.
+
+        Returns (num_accepted, next_token) per sequence. With k = 0 this is one plain decoding step
+        (and, for a new sequence, its prefill: the pending tokens are the whole prompt).
+        """
+        seqs = self._rows(seq_ids)
+        drafts = proposal.tokens.tolist()
+        k = proposal.tokens.shape[1]
+        lens = [len(s.tokens) for s in seqs]
+        logits = self._forward(seq_ids, [s.tokens[s.kv_len :] + d for s, d in zip(seqs, drafts)], keep=k + 1)
+        num_acc = torch.zeros(len(seqs), dtype=torch.long)
+        next_tok = torch.zeros(len(seqs), dtype=torch.long)
+        greedy = [b for b, s in enumerate(seqs) if s.params.greedy]
+        sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
+        if greedy:
+            g = torch.tensor(greedy)
+            n, t = accept_greedy(proposal.tokens[g], logits[g].argmax(-1).cpu())
+            num_acc[g], next_tok[g] = n, t
+        if sampled:
+            sb = torch.tensor(sampled)
+            rows = [seqs[b] for b in sampled]
+            p = self._warp(rows, logits[sb].reshape(len(sampled) * (k + 1), -1), repeat=k + 1)
+            p = p.reshape(len(sampled), k + 1, -1).cpu()
+            u = torch.stack([torch.rand(k + 1, generator=s.generator) for s in rows])  # [Bs, k+1]
+            q = proposal.probs[sb] if k > 0 else p[:, :0]
+            n, t = accept_sampled(proposal.tokens[sb], q, p, u[:, :k], u[:, k])
+            num_acc[sb], next_tok[sb] = n, t
+        for s, n_b, d, t, length in zip(seqs, num_acc.tolist(), drafts, next_tok.tolist(), lens):
+            s.tokens.extend(d[:n_b] + [t])
+            s.kv_len = length + n_b  # KV through the last accepted draft; t is pending
+        return num_acc.tolist(), next_tok.tolist()
+
+    # ---- internals -------------------------------------------------------------------------
+    def _rows(self, seq_ids: list[str]) -> list[Sequence]:
+        """Sequences for seq_ids, which must be a contiguous run of rows in order."""
+        try:
+            r0 = self.order.index(seq_ids[0])
+        except ValueError:
+            raise KeyError(f"{self.role}: unknown sequence {seq_ids[0]!r}") from None
+        if self.order[r0 : r0 + len(seq_ids)] != list(seq_ids):
+            raise ValueError(f"{self.role}: sequences must be contiguous rows in order")
+        return [self.seqs[s] for s in seq_ids]
+
+    def _forward(
+        self, seq_ids: list[str], fed: list[list[int]], keep: int, starts: list[int] | None = None
+    ) -> torch.Tensor:  # logits [B, keep, V] for the last `keep` fed tokens of each row
+        seqs = [self.seqs[s] for s in seq_ids]
+        if starts is None:
+            starts = [s.kv_len for s in seqs]
+        ids, pos = ragged_inputs(fed, starts, self.pad_id)
+        ids, pos = ids.to(self.device), pos.to(self.device)
+        self.cache.prepare(self.order.index(seq_ids[0]), pos)
+        mask = causal_mask(pos, self.cache._kv_max, self.mask_dtype)
+        out = self.model(
+            input_ids=ids,
+            position_ids=pos,
+            attention_mask=mask,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+        return out.logits
+
+    def _warp(self, seqs: list[Sequence], logits: torch.Tensor, repeat: int = 1) -> torch.Tensor:
+        """Warped probabilities for rows of logits [N*repeat, V], each row repeated per sequence."""
+        ps = [s.params for s in seqs]
+
+        def col(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=logits.device).repeat_interleave(repeat)
+
+        return warp_probs(
+            logits,
+            col([p.temperature for p in ps], torch.float32),
+            col([p.top_k for p in ps], torch.long),
+            col([p.top_p for p in ps], torch.float32),
+        )
+
+    def _draw(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Next draft token per row of logits [B, V]: argmax for greedy rows, a sample from q otherwise."""
+        tokens = logits.argmax(-1).cpu()
+        sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
+        if not sampled:
+            return tokens, None
+        sb = torch.tensor(sampled)
+        q = torch.zeros(logits.shape, dtype=torch.float32)
+        q[sb] = self._warp([seqs[b] for b in sampled], logits[sb]).cpu()
+        u = torch.cat([torch.rand(1, generator=seqs[b].generator) for b in sampled])
+        tokens[sb] = sample(q[sb], u)
+        return tokens, q
+
+
+def _role_seed(seed: int | None, role: str) -> int:
+    """Per-request seed for one role; draft and target draw from different streams."""
+    if seed is None:
+        return random.getrandbits(63)
+    return (seed * 1_000_003 + (1 if role == "draft" else 2)) % (2**63)

@@ -1,0 +1,104 @@
+"""Shared fixtures: tiny random Llama models and a tiny tokenizer, built offline in the test.
+
+Tiny models run in float64: batched and unbatched forwards then agree to ~1e-15, so greedy
+comparisons test the algorithm, not float noise between different batch shapes.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+WORDS = ["the", "a", "cat", "dog", "sat", "on", "mat", "and", "ran", "to", "big", "red", "blue", "is", "it", "very"]
+SPECIALS = ["<pad>", "<unk>", "<eos>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant : {% endif %}"
+)
+
+
+def make_tokenizer(words=WORDS) -> PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(SPECIALS + ["system", "user", "assistant", ":"] + list(words))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_llama(vocab_size: int, layers: int = 2, seed: int = 0, dtype=torch.float64, eos: int | None = None):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=None, eos_token_id=eos, pad_token_id=0, tie_word_embeddings=False,
+    )
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg).to(dtype).eval()
+    model.generation_config.eos_token_id = eos
+    return model
+
+
+def perturbed(model, scale: float, seed: int = 1):
+    """A copy of model with small noise: a draft that agrees often but not always."""
+    torch.manual_seed(seed)
+    near = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in near.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    return near
+
+
+class IdTokenizer:
+    """Decodes ids as space-separated numbers; enough for engine tests on raw token ids."""
+
+    eos_token_id = None
+    pad_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f" {i}" for i in ids)
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    return tiny_llama(97, layers=2, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_drafts(tiny_target):
+    """Drafts that agree never-ish (random), sometimes (perturbed) and always (identical weights)."""
+    return {
+        "random": tiny_llama(97, layers=1, seed=1),
+        "near": perturbed(tiny_target, 0.01),
+        "same": tiny_target,
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory):
+    """Saved tiny target + draft with the tiny tokenizer, and a draft with another vocabulary."""
+    root = tmp_path_factory.mktemp("tiny")
+    tok = make_tokenizer()
+    n = len(tok)
+    eos = tok.convert_tokens_to_ids("<eos>")
+    dirs = {}
+    for name, model, t in [
+        ("target", tiny_llama(n, 2, seed=0, dtype=torch.float32, eos=eos), tok),
+        ("draft", tiny_llama(n, 1, seed=3, dtype=torch.float32, eos=eos), tok),
+        ("other_vocab", tiny_llama(n + 3, 1, seed=4, dtype=torch.float32, eos=eos), make_tokenizer(WORDS + ["x", "y", "z"])),
+    ]:
+        d = root / name
+        model.save_pretrained(d)
+        t.save_pretrained(d)
+        dirs[name] = str(d)
+    return dirs

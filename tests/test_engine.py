@@ -1,0 +1,260 @@
+"""The engine on tiny random models: lossless greedy decoding, batching, budgets, sampling, streaming."""
+
+import asyncio
+
+import pytest
+import torch
+
+from conftest import IdTokenizer, tiny_llama
+from serve_app.config import EngineConfig, SamplingParams
+from serve_app.scheduler import Engine
+from serve_app.worker import ModelWorker
+
+PROMPTS = [[1, 2, 3], [5] * 11, list(range(10, 40)), [7, 8], [42], list(range(60, 50, -1))]
+
+
+def reference(target, prompts, n):
+    """Target-only greedy decoding with Hugging Face generate, one prompt at a time."""
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        outs.append(out[0, len(p):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def ref20(tiny_target):
+    return reference(tiny_target, PROMPTS, 20)
+
+
+def make_engine(target, draft, policy, **cfg):
+    return Engine(
+        ModelWorker(target, "target"),
+        ModelWorker(draft, "draft") if draft is not None else None,
+        IdTokenizer(),
+        EngineConfig(policy=policy, **cfg),
+        eos_ids=set(),
+    )
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 7])
+@pytest.mark.parametrize("draft_kind", ["random", "near", "same"])
+def test_greedy_identical_to_target_alone(tiny_target, tiny_drafts, ref20, k, draft_kind):
+    # batch 4 < 6 prompts: the last two join mid-flight as the first ones finish
+    engine = make_engine(tiny_target, tiny_drafts[draft_kind], f"fixed:{k}", max_batch_size=4)
+    reqs = [engine.submit(p, SamplingParams(max_tokens=20 - 2 * (i % 3))) for i, p in enumerate(PROMPTS)]
+    engine.run(reqs)
+    for i, r in enumerate(reqs):
+        assert r.output_ids == ref20[i][: 20 - 2 * (i % 3)], (i, k, draft_kind)
+    if k and draft_kind == "same":
+        assert all(r.stats.acceptance_rate == 1.0 for r in reqs)
+    if k and draft_kind == "near":
+        rates = [r.stats.acceptance_rate for r in reqs]
+        assert 0 < min(rates) and max(rates) < 1 or 0 < sum(rates) / len(rates) < 1
+
+
+def test_requests_joining_mid_flight_and_k_changing(tiny_target, tiny_drafts, ref20):
+    class Cycle:  # a policy that changes k every step, including k = 0 runs the draft must catch up on
+        name = "cycle"
+        ks = [3, 0, 0, 1, 7, 2]
+        i = 0
+
+        def choose(self, state):
+            self.i += 1
+            return self.ks[self.i % len(self.ks)]
+
+        def observe(self, stats):
+            pass
+
+    engine = make_engine(tiny_target, tiny_drafts["near"], "none", max_batch_size=8)
+    engine.policy = Cycle()
+    reqs = [engine.submit(PROMPTS[0], SamplingParams(max_tokens=20))]
+    for p in PROMPTS[1:]:
+        engine.step()
+        engine.step()
+        reqs.append(engine.submit(p, SamplingParams(max_tokens=20)))
+    engine.run(reqs)
+    assert [r.output_ids for r in reqs] == ref20
+    assert engine.running == [] and engine.reserved == 0
+    assert engine.target.order == [] and engine.draft.order == []
+
+
+def test_step_stats_account_for_every_token(tiny_target, tiny_drafts):
+    engine = make_engine(tiny_target, tiny_drafts["near"], "fixed:3", max_batch_size=4)
+    seen = []
+    engine.on_step.append(seen.append)
+    reqs = [engine.submit(p, SamplingParams(max_tokens=12)) for p in PROMPTS[:4]]
+    engine.run(reqs)
+    decode = [s for s in seen if s.batch_size]
+    assert all(s.k == 3 and s.proposed == 3 * s.batch_size for s in decode)
+    assert all(sum(s.accepted_per_position) == s.accepted for s in decode)
+    assert all(s.generated == s.accepted + s.batch_size for s in decode)
+    assert sum(s.accepted for s in decode) == sum(r.stats.accepted for r in reqs)
+    assert all(s.draft_s > 0 and s.verify_s > 0 and s.other_s >= 0 for s in decode)
+    assert seen[0].prefilled == 4
+
+
+def test_kv_budget_makes_requests_wait_not_crash(tiny_target, tiny_drafts, ref20):
+    # each request reserves 3..30 + 20 + 8 tokens; a 100-token budget fits about two at a time
+    engine = make_engine(tiny_target, tiny_drafts["near"], "fixed:2", max_batch_size=8, max_num_tokens=100)
+    sizes = []
+    engine.on_step.append(lambda s: sizes.append(len(engine.running)))
+    reqs = [engine.submit(p, SamplingParams(max_tokens=20)) for p in PROMPTS]
+    engine.run(reqs)
+    assert [r.output_ids for r in reqs] == ref20
+    assert max(sizes) <= 3 and engine.reserved == 0
+    with pytest.raises(ValueError, match="KV budget"):
+        engine.submit(list(range(90)), SamplingParams(max_tokens=20))
+
+
+def test_bad_requests_are_refused_up_front(tiny_target):
+    engine = make_engine(tiny_target, None, "none", max_model_len=32, max_stop_strings=2)
+    with pytest.raises(ValueError, match="empty"):
+        engine.submit([], SamplingParams())
+    with pytest.raises(ValueError, match="context limit is 32"):
+        engine.submit(list(range(32)), SamplingParams())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.submit([1, 500], SamplingParams())
+    with pytest.raises(ValueError, match="at most 2 stop"):
+        engine.submit([1], SamplingParams(stop=["a", "b", "c"]))
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=0)
+    assert not engine.has_work()
+
+
+def test_context_limit_ends_with_length(tiny_target):
+    engine = make_engine(tiny_target, tiny_target, "fixed:4", max_model_len=20)
+    (req,) = reqs = [engine.submit(list(range(1, 15)), SamplingParams(max_tokens=50))]
+    engine.run(reqs)
+    assert len(req.output_ids) == 6 and req.stats.generated_tokens == 6
+
+
+def test_eos_and_stop_strings_end_requests(tiny_target, ref20):
+    first = ref20[0]
+    eos = first[5]
+    engine = make_engine(tiny_target, tiny_target, "fixed:3")
+    engine.eos_ids = {eos}
+    (r,) = reqs = [engine.submit(PROMPTS[0], SamplingParams(max_tokens=20))]
+    engine.run(reqs)
+    cut = first.index(eos)
+    assert r.output_ids == first[: cut + 1]  # EOS is the last token id, like HF generate
+    # stop string: the text stops before it; ids end at the token that completed it
+    stop = f" {first[3]} {first[4]}"
+    engine = make_engine(tiny_target, tiny_target, "fixed:3")
+    (r,) = reqs = [engine.submit(PROMPTS[0], SamplingParams(max_tokens=20, stop=[stop]))]
+    engine.run(reqs)
+    assert r.output_ids == first[:5]
+    assert r.stream.text == "".join(f" {t}" for t in first[:3])
+
+
+def test_sampling_top_k_1_is_greedy(tiny_target, tiny_drafts, ref20):
+    engine = make_engine(tiny_target, tiny_drafts["near"], "fixed:3", max_batch_size=3)
+    reqs = [engine.submit(p, SamplingParams(max_tokens=20, temperature=0.8, top_k=1, seed=i)) for i, p in enumerate(PROMPTS)]
+    engine.run(reqs)
+    assert [r.output_ids for r in reqs] == ref20
+
+
+def test_seeded_sampling_is_reproducible_across_batch_mixes(tiny_target, tiny_drafts):
+    def run(batch, extra):
+        engine = make_engine(tiny_target, tiny_drafts["near"], "fixed:3", max_batch_size=batch)
+        others = [engine.submit(p, SamplingParams(max_tokens=15, temperature=1.0)) for p in PROMPTS[:extra]]
+        mine = engine.submit(PROMPTS[2], SamplingParams(max_tokens=15, temperature=0.9, top_p=0.9, seed=1234))
+        engine.run(others + [mine])
+        return mine.output_ids
+
+    alone = run(1, 0)
+    assert run(4, 3) == alone and run(8, 5) == alone
+    engine = make_engine(tiny_target, tiny_drafts["near"], "fixed:3")
+    other = engine.submit(PROMPTS[2], SamplingParams(max_tokens=15, temperature=0.9, top_p=0.9, seed=99))
+    engine.run([other])
+    assert other.output_ids != alone
+
+
+def test_speculative_sampling_follows_target_distribution():
+    """Tokens 2 and 3 (decided by draft + rejection sampling) match the target's exact marginals."""
+    vocab, trials = 6, 3000
+    target = tiny_llama(vocab, layers=2, seed=10)
+    draft = tiny_llama(vocab, layers=1, seed=11)
+    with torch.no_grad():  # random tiny models are near-uniform; sharpen them so they differ clearly
+        target.lm_head.weight.mul_(40)
+        draft.lm_head.weight.mul_(40)
+    prompt = [1, 2, 3]
+
+    def dist(model, prefix):
+        with torch.no_grad():
+            return model(torch.tensor([prefix])).logits[0, -1].softmax(-1)
+
+    def marginals(model):
+        p1 = dist(model, prompt)
+        p2 = {a: dist(model, prompt + [a]) for a in range(vocab)}
+        m2 = sum(p1[a] * p2[a] for a in range(vocab))
+        m3 = sum(p1[a] * p2[a][b] * dist(model, prompt + [a, b]) for a in range(vocab) for b in range(vocab))
+        return m2, m3
+
+    t2, t3 = marginals(target)
+    d2, _ = marginals(draft)
+    engine = make_engine(target, draft, "fixed:3", max_batch_size=64, max_num_tokens=100_000)
+    reqs = [engine.submit(prompt, SamplingParams(max_tokens=3, temperature=1.0, seed=s)) for s in range(trials)]
+    engine.run(reqs)
+    assert sum(r.stats.accepted for r in reqs) > 0.05 * sum(r.stats.proposed for r in reqs)  # drafts really were accepted
+    f2 = torch.bincount(torch.tensor([r.output_ids[1] for r in reqs]), minlength=vocab).double() / trials
+    f3 = torch.bincount(torch.tensor([r.output_ids[2] for r in reqs]), minlength=vocab).double() / trials
+    assert (f2 - t2).abs().sum() / 2 < 0.04, (f2, t2)
+    assert (f3 - t3).abs().sum() / 2 < 0.04, (f3, t3)
+    assert (d2 - t2).abs().sum() / 2 > 0.08  # the draft alone is measurably off: the check has power
+
+
+def test_streaming_and_abort(tiny_target, tiny_drafts, ref20):
+    engine = make_engine(tiny_target, tiny_drafts["same"], "fixed:3", max_batch_size=4)
+
+    async def main():
+        chunks = []
+        async for out in engine.generate(PROMPTS[0], SamplingParams(max_tokens=20)):
+            chunks.append(out)
+        # abort: stop consuming after the first chunk; the slot is freed at the next step
+        gen = engine.generate(PROMPTS[1], SamplingParams(max_tokens=200))
+        await gen.__anext__()
+        await gen.aclose()
+        for _ in range(50):
+            if not engine.has_work():
+                break
+            await asyncio.sleep(0.01)
+        return chunks
+
+    chunks = asyncio.run(main())
+    assert len(chunks) > 2 and chunks[-1].finished and chunks[-1].finish_reason == "length"
+    assert sum((c.token_ids for c in chunks), []) == ref20[0]
+    assert "".join(c.text for c in chunks) == "".join(f" {t}" for t in ref20[0])
+    assert chunks[-1].stats.generated_tokens == 20 and chunks[-1].stats.ttft_s > 0
+    assert not engine.has_work() and engine.reserved == 0 and engine.target.order == []
+
+
+def test_failed_step_ends_requests_with_error_not_hang(tiny_target, tiny_drafts):
+    engine = make_engine(tiny_target, tiny_drafts["near"], "fixed:2")
+    real_verify = engine.target.verify
+    calls = {"n": 0}
+
+    def flaky(ids, proposal):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("worker died")
+        return real_verify(ids, proposal)
+
+    engine.target.verify = flaky
+
+    async def collect(prompt):
+        outs = [o async for o in engine.generate(prompt, SamplingParams(max_tokens=10))]
+        return outs[-1]
+
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(collect(PROMPTS[0]), collect(PROMPTS[1])), 30)
+
+    finals = asyncio.run(main())
+    assert all(f.finish_reason == "error" and "worker died" in f.error for f in finals)
+    # the engine keeps serving afterwards
+    engine.target.verify = real_verify
+    engine.target.remove(list(engine.target.seqs))
+    engine.draft.remove(list(engine.draft.seqs))
+    final = asyncio.run(main())[0]
+    assert final.finish_reason == "length"
