@@ -179,10 +179,10 @@ class Engine:
         now = time.perf_counter()
         for r in new:
             r.stats.queue_s = now - r.arrival
-        workers = [self.target] + ([self.draft] if self.draft is not None else [])
-        for w in workers:
-            w.add(ids, [r.prompt_ids for r in new], [r.params for r in new])
-        self.running += new
+        self.running += new  # before any worker call: a failure below must fail these too, not strand them
+        for w in (self.target, self.draft):
+            if w is not None:
+                w.add(ids, [r.prompt_ids for r in new], [r.params for r in new])
         t = time.perf_counter()
         _, first = self.target.verify(ids, Proposal(torch.zeros((len(ids), 0), dtype=torch.long)))
         st.verify_s += time.perf_counter() - t
@@ -256,9 +256,9 @@ class Engine:
         return outs
 
     def fail_all(self, message: str) -> list[tuple[Request, RequestOutput]]:
-        """End every request in flight with an error (a worker failed); the engine stays usable."""
+        """End every running request with an error (a step failed); waiting ones stay queued."""
         outs = []
-        for r in self.running + list(self.waiting):
+        for r in self.running:
             out = RequestOutput(r.id)
             self._finish(r, out, "error", message)
             outs.append((r, out))
@@ -267,7 +267,6 @@ class Engine:
         except Exception:  # a broken worker may not clean up; start its bookkeeping afresh
             log.exception("evicting after a failed step")
             self.running, self.reserved = [], 0
-        self.waiting.clear()
         return outs
 
     # ---- driving -----------------------------------------------------------------------------

@@ -258,3 +258,28 @@ def test_failed_step_ends_requests_with_error_not_hang(tiny_target, tiny_drafts)
     engine.draft.remove(list(engine.draft.seqs))
     final = asyncio.run(main())[0]
     assert final.finish_reason == "length"
+
+
+def test_failed_step_spares_waiting_requests(tiny_target, tiny_drafts, ref20):
+    engine = make_engine(tiny_target, tiny_drafts["near"], "fixed:2", max_batch_size=1)
+    real_add = engine.draft.add
+    calls = {"n": 0}
+
+    def add_fails_once(*args):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("draft actor gone")
+        return real_add(*args)
+
+    engine.draft.add = add_fails_once
+
+    async def collect(prompt):
+        return [o async for o in engine.generate(prompt, SamplingParams(max_tokens=20))][-1]
+
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(collect(PROMPTS[0]), collect(PROMPTS[1])), 30)
+
+    first, second = asyncio.run(main())
+    assert first.finish_reason == "error" and "draft actor gone" in first.error
+    assert second.finish_reason == "length" and second.stats.generated_tokens == 20
+    assert engine.reserved == 0 and not engine.has_work()
