@@ -52,27 +52,17 @@ def embedded_gguf() -> Path:
 
 def load_target(spec: str, dtype: str = "float32", device: str = "cpu") -> tuple[nn.Module, object, str]:
     """(model, tokenizer, display name) for a target spec."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if spec == EMBEDDED:
         spec = str(embedded_gguf())
         name = "SmolLM2-135M-Instruct"
     else:
         name = spec.rstrip("/").split("/")[-1]
-    kwargs = _load_kwargs(spec, dtype, device)
-    src = kwargs.pop("_src")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(src, **{k: v for k, v in kwargs.items() if k == "gguf_file"})
-        model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
-    except OSError as e:
-        raise FileNotFoundError(f"cannot load model {spec!r}: {e}") from None
-    return _place(model, device), tokenizer, name
+    model, tokenizer = _from_pretrained(spec, dtype, device, "model")
+    return model, tokenizer, name
 
 
 def load_draft(spec: str, target: nn.Module, tokenizer, dtype: str = "float32", device: str = "cpu") -> nn.Module:
     """A draft for `target`: `truncated:N`, or a separate model whose vocabulary must match."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if spec.startswith("truncated:"):
         n = spec.partition(":")[2]
         if not n.isdigit():
@@ -80,15 +70,9 @@ def load_draft(spec: str, target: nn.Module, tokenizer, dtype: str = "float32", 
         return truncated_draft(target, int(n))
     if spec == EMBEDDED:
         spec = str(embedded_gguf())
-    kwargs = _load_kwargs(spec, dtype, device)
-    src = kwargs.pop("_src")
-    try:
-        draft_tok = AutoTokenizer.from_pretrained(src, **{k: v for k, v in kwargs.items() if k == "gguf_file"})
-        draft = AutoModelForCausalLM.from_pretrained(src, **kwargs)
-    except OSError as e:
-        raise FileNotFoundError(f"cannot load draft {spec!r}: {e}") from None
+    draft, draft_tok = _from_pretrained(spec, dtype, device, "draft")
     check_same_vocab(tokenizer, draft_tok, target, draft)
-    return _place(draft, device)
+    return draft
 
 
 def load_models(cfg: ModelConfig) -> LoadedModels:
@@ -139,6 +123,22 @@ def check_same_vocab(target_tok, draft_tok, target: nn.Module, draft: nn.Module)
         raise ValueError(f"draft predicts {d_out} token ids, the target {t_out}: vocabularies differ")
 
 
+def _from_pretrained(spec: str, dtype: str, device: str, what: str) -> tuple[nn.Module, object]:
+    """(model, tokenizer) from a hub id, local directory or .gguf path, placed on `device`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = _load_kwargs(spec, dtype, device)
+    src = kwargs.pop("_src")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src, **{k: v for k, v in kwargs.items() if k == "gguf_file"})
+        model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
+    except OSError as e:
+        raise FileNotFoundError(f"cannot load {what} {spec!r}: {e}") from None
+    if device not in ("auto", "cpu"):
+        model = model.to(device)
+    return model.eval(), tokenizer
+
+
 def _load_kwargs(spec: str, dtype: str, device: str) -> dict:
     kwargs: dict = {"dtype": DTYPES[dtype], "attn_implementation": "sdpa"}
     if device == "auto":
@@ -153,9 +153,3 @@ def _load_kwargs(spec: str, dtype: str, device: str) -> dict:
         if os.path.sep in spec and not os.path.isdir(spec) and (spec.startswith((".", "/")) or spec.count("/") > 1):
             raise FileNotFoundError(f"no such model directory: {spec}")
     return kwargs
-
-
-def _place(model: nn.Module, device: str) -> nn.Module:
-    if device not in ("auto", "cpu"):
-        model = model.to(device)
-    return model.eval()

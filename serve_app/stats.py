@@ -6,19 +6,29 @@ from dataclasses import asdict, dataclass, field
 
 
 @dataclass
-class StepStats:
+class Acceptance:
+    """Draft tokens proposed and accepted; shared by step and request statistics."""
+
+    proposed: int = 0
+    """Draft tokens proposed."""
+    accepted: int = 0
+    """Draft tokens the target accepted."""
+    accepted_per_position: list[int] = field(default_factory=list)
+    """accepted_per_position[i]: how often draft token i (0-based) was accepted."""
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
+@dataclass
+class StepStats(Acceptance):
     """What one engine step did, across the whole running batch."""
 
     batch_size: int = 0
     """Sequences decoded in this step."""
     k: int = 0
     """Speculation length chosen for this step."""
-    proposed: int = 0
-    """Draft tokens proposed (batch_size * k)."""
-    accepted: int = 0
-    """Draft tokens the target accepted."""
-    accepted_per_position: list[int] = field(default_factory=list)
-    """accepted_per_position[i]: sequences whose draft token i was accepted (length k)."""
     generated: int = 0
     """Tokens committed this step (accepted + one recovered or bonus per sequence)."""
     prefilled: int = 0
@@ -30,35 +40,24 @@ class StepStats:
     other_s: float = 0.0
     """Seconds in everything else: scheduling, acceptance bookkeeping, detokenizing."""
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
-
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 @dataclass
-class RequestStats:
+class RequestStats(Acceptance):
     """One request's totals, returned with its last output."""
 
     prompt_tokens: int = 0
     generated_tokens: int = 0
     steps: int = 0
     """Decode steps this request took part in (prefill not counted)."""
-    proposed: int = 0
-    accepted: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
     queue_s: float = 0.0
     """Seconds from arrival to admission."""
     ttft_s: float = 0.0
     """Seconds from arrival to the first generated token."""
     total_s: float = 0.0
     """Seconds from arrival to finish."""
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
 
     @property
     def tpot_s(self) -> float:
