@@ -146,6 +146,7 @@ def cmd_generate(args) -> int:
         raise UsageError(_first_error(e)) from None
     jobs = read_jobs(args.prompts, defaults)
     try:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         out_file = open(args.out, "w", encoding="utf-8")
     except OSError as e:
         raise UsageError(f"cannot write {args.out}: {e}") from None

@@ -16,7 +16,7 @@ def write(path, lines):
 
 def run(tmp_path, dirs, lines, *extra, draft=True):
     prompts = write(tmp_path / "in.jsonl", lines)
-    out = tmp_path / "out.jsonl"
+    out = tmp_path / "new_dir" / "out.jsonl"  # the CLI creates missing parent directories
     args = ["generate", "--prompts", prompts, "--out", str(out), "--target", dirs["target"], *extra]
     if draft and "--draft" not in extra:
         args += ["--draft", dirs["draft"]]
