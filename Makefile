@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.specserve-installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install run test test-slow bench clean
+.PHONY: install serve run test test-slow bench bench-http clean
 
 # torch is pinned to the local CPU wheel (an unpinned torch pulls GBs of CUDA); on GPU machines
 # install torch for your CUDA first (README, "GPU install"), then `pip install -e .`.
@@ -21,7 +21,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-run: install  ## generate completions for the example prompts on the embedded default model
+serve: install  ## local Ray + Serve: the OpenAI-compatible endpoint on the embedded default (Ctrl-C stops)
+	$(VENV)/bin/specserve serve --host $(or $(HOST),127.0.0.1) --port $(or $(PORT),8000)
+
+run: install  ## offline: generate completions for the example prompts on the embedded default model
 	$(VENV)/bin/specserve generate --prompts examples/prompts.jsonl --out out/completions.jsonl --policy fixed:2
 	@cat out/completions.jsonl | $(PY) -c "import sys,json; [print(repr(json.loads(l).get('text', l))[:160]) for l in sys.stdin]"
 
@@ -33,6 +36,9 @@ test-slow: install
 
 bench: install  ## engine tokens/s vs Hugging Face generate, printed as ratios
 	$(VENV)/bin/specserve bench engine
+
+bench-http: install  ## tokens/s through HTTP vs the offline engine at the same concurrency
+	$(VENV)/bin/specserve bench http
 
 clean:
 	rm -rf $(VENV) out results .pytest_cache

@@ -115,3 +115,75 @@ def bench_engine(mc: ModelConfig, max_tokens: int, num_prompts: int, ks: list[in
         with open(out, "w") as f:
             json.dump([dict(zip(["run", "tokens_per_s", "ratio_vs_hf_b1", "acceptance", "same_as_hf"], r)) for r in rows], f, indent=1)
     return rows
+
+
+def bench_http(mc: ModelConfig, policy: str, max_tokens: int, concurrency: int, n_requests: int, port: int):
+    """Tokens/s through the HTTP endpoint (local Ray Serve) vs the offline engine, same concurrency.
+
+    Both runs are greedy on the same prompts, `concurrency` requests in flight (closed loop), and
+    happen in this one process one after the other; outputs are compared for equality too.
+    """
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    from deployments.app import served_name
+    from deployments.config import AppConfig
+    from deployments.local import start, stop
+
+    app_args = {"model": mc.model_dump(), "engine": {"policy": policy, "max_batch_size": concurrency},
+                "profiles_dir": None, "max_queue": max(64, n_requests)}
+    name = served_name(AppConfig.model_validate(app_args))
+    texts = [BENCH_PROMPTS[i % len(BENCH_PROMPTS)] for i in range(n_requests)]
+    with tqdm(total=2 * n_requests + 1, desc="bench http", unit="req") as bar:
+        url = start(app_args, port=port)
+        try:
+            client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+
+            def ask(text: str) -> tuple[str, int]:
+                r = client.chat.completions.create(model=name, messages=[{"role": "user", "content": text}],
+                                                   max_tokens=max_tokens, temperature=0)
+                bar.update(1)
+                return r.choices[0].message.content, r.usage.completion_tokens
+
+            ask(texts[0])  # warm-up
+            t = time.perf_counter()
+            with ThreadPoolExecutor(concurrency) as pool:
+                http = list(pool.map(ask, texts))
+            http_s = time.perf_counter() - t
+        finally:
+            stop()
+
+        models = load_models(mc if policy != "none" else mc.model_copy(update={"draft": "none"}))
+        engine = Engine.from_models(models, EngineConfig(policy=policy, max_batch_size=concurrency))
+        params = SamplingParams(max_tokens=max_tokens)
+
+        async def offline() -> list[tuple[str, int]]:
+            gate = asyncio.Semaphore(concurrency)
+
+            async def one(text: str) -> tuple[str, int]:
+                async with gate:
+                    ids = encode_chat(models.tokenizer, [{"role": "user", "content": text}])
+                    parts, n = [], 0
+                    async for out in engine.generate(ids, params):
+                        parts.append(out.text)
+                        n += len(out.token_ids)
+                    bar.update(1)
+                    return "".join(parts), n
+
+            return await asyncio.gather(*(one(x) for x in texts))
+
+        t = time.perf_counter()
+        local = asyncio.run(offline())
+        local_s = time.perf_counter() - t
+    http_tps = sum(n for _, n in http) / http_s
+    local_tps = sum(n for _, n in local) / local_s
+    same = [a for a, _ in http] == [b for b, _ in local]
+    print(f"\ntarget {models.target_name}, policy {policy}, {n_requests} requests, concurrency {concurrency}, "
+          f"max_tokens {max_tokens}")
+    print(f"{'run':<34} {'tokens/s':>9} {'ratio':>7}")
+    print(f"{'offline engine (baseline)':<34} {local_tps:>9.1f} {1.0:>6.2f}x")
+    print(f"{'HTTP via Ray Serve + openai client':<34} {http_tps:>9.1f} {http_tps / local_tps:>6.2f}x")
+    print(f"identical texts: {same}")
+    return http_tps / local_tps, same

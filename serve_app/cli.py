@@ -62,6 +62,34 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("--concurrency", type=int, default=16)
     be.add_argument("--out", default=None, help="also write the results as JSON here")
     be.set_defaults(func=_cmd_bench_engine)
+    bh = bsub.add_parser("http", help="tokens/s through the HTTP endpoint vs the offline engine, same concurrency")
+    _model_args(bh)
+    bh.add_argument("--policy", default="none")
+    bh.add_argument("--max-tokens", type=int, default=48)
+    bh.add_argument("--concurrency", type=int, default=8)
+    bh.add_argument("--requests", type=int, default=16)
+    bh.add_argument("--port", type=int, default=8011)
+    bh.set_defaults(func=_cmd_bench_http)
+
+    s = sub.add_parser("serve", help="start a local Ray cluster and serve the OpenAI-compatible HTTP endpoint")
+    s.add_argument("--config", default=None, help="Serve config YAML (its first application's args); flags below are ignored")
+    _model_args(s)
+    s.add_argument("--policy", default="lut", help="none | fixed:K | lut")
+    s.add_argument("--batch-size", type=int, default=8)
+    s.add_argument("--max-queue", type=int, default=64)
+    s.add_argument("--profiles-dir", default="profiles")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics export port of the local Ray node")
+    s.set_defaults(func=_cmd_serve)
+
+    pr = sub.add_parser("profiles", help="manage the running service's speculation profiles")
+    prs = pr.add_subparsers(dest="profiles_command", required=True)
+    push = prs.add_parser("push", help="replace a hardware type's profile in the running service (no restart)")
+    push.add_argument("file")
+    push.add_argument("--address", default="auto", help="Ray cluster address")
+    push.add_argument("--app", default="specserve", help="Serve application name")
+    push.set_defaults(func=_cmd_profiles_push)
     return p
 
 
@@ -201,6 +229,59 @@ def _cmd_bench_engine(args) -> int:
     ks = [int(k) for k in args.ks.split(",") if k.strip()]
     mc = ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
     bench_engine(mc, args.max_tokens, args.num_prompts, ks, args.concurrency, args.out)
+    return 0
+
+
+def _app_config(args) -> dict:
+    if args.config:
+        import yaml
+
+        try:
+            with open(args.config) as f:
+                return yaml.safe_load(f)["applications"][0].get("args", {})
+        except (OSError, KeyError, IndexError, TypeError, yaml.YAMLError) as e:
+            raise UsageError(f"cannot read Serve config {args.config}: {e}") from None
+    return {
+        "model": {"target": args.target, "draft": args.draft, "dtype": args.dtype, "device": args.device},
+        "engine": {"policy": args.policy, "max_batch_size": args.batch_size},
+        "max_queue": args.max_queue,
+        "profiles_dir": args.profiles_dir,
+    }
+
+
+def _cmd_serve(args) -> int:
+    from deployments.local import run_forever
+
+    from pydantic import ValidationError as PydanticError
+
+    try:
+        run_forever(_app_config(args), args.host, args.port, args.metrics_port)
+    except PydanticError as e:
+        raise UsageError(_first_error(e)) from None
+    return 0
+
+
+def _cmd_profiles_push(args) -> int:
+    from .profiles import load_profile
+
+    profile = load_profile(args.file)  # a malformed file fails here, before touching the service
+    import ray
+    from ray import serve
+
+    try:
+        ray.init(address=args.address, logging_level="ERROR", log_to_driver=False)
+        version = serve.get_deployment_handle("ProfileStore", app_name=args.app).push.remote(profile.model_dump()).result()
+    except ConnectionError as e:
+        raise UsageError(f"no running Ray cluster at {args.address}: {e}") from None
+    print(f"profile for {profile.gpu_type} is now version {version}; routers pick it up within seconds")
+    return 0
+
+
+def _cmd_bench_http(args) -> int:
+    from .bench import bench_http
+
+    mc = ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
+    bench_http(mc, args.policy, args.max_tokens, args.concurrency, args.requests, args.port)
     return 0
 
 

@@ -75,11 +75,32 @@ def load_draft(spec: str, target: nn.Module, tokenizer, dtype: str = "float32", 
     return draft
 
 
+def draft_spec(cfg: ModelConfig) -> str:
+    """The draft to load: as configured, else the target's default (interim truncated draft for the
+    embedded target, no draft otherwise)."""
+    if cfg.draft is not None:
+        return cfg.draft
+    return INTERIM_DRAFT if cfg.target == EMBEDDED else "none"
+
+
+def load_tokenizer(spec: str):
+    """Only the tokenizer of a model spec (the router and the HTTP ingress need no weights)."""
+    from transformers import AutoTokenizer
+
+    if spec == EMBEDDED:
+        spec = str(embedded_gguf())
+    kwargs = _load_kwargs(spec, "float32", "cpu")
+    try:
+        return AutoTokenizer.from_pretrained(kwargs["_src"], **{k: v for k, v in kwargs.items() if k == "gguf_file"})
+    except OSError as e:
+        raise FileNotFoundError(f"cannot load tokenizer of {spec!r}: {e}") from None
+
+
 def load_models(cfg: ModelConfig) -> LoadedModels:
     target, tokenizer, target_name = load_target(cfg.target, cfg.dtype, cfg.device)
-    draft_spec = cfg.draft if cfg.draft is not None else (INTERIM_DRAFT if cfg.target == EMBEDDED else "none")
-    draft = None if draft_spec == "none" else load_draft(draft_spec, target, tokenizer, cfg.dtype, cfg.device)
-    return LoadedModels(target, draft, tokenizer, target_name, draft_spec)
+    spec = draft_spec(cfg)
+    draft = None if spec == "none" else load_draft(spec, target, tokenizer, cfg.dtype, cfg.device)
+    return LoadedModels(target, draft, tokenizer, target_name, spec)
 
 
 def truncated_draft(target: nn.Module, n_layers: int) -> nn.Module:
@@ -125,12 +146,12 @@ def check_same_vocab(target_tok, draft_tok, target: nn.Module, draft: nn.Module)
 
 def _from_pretrained(spec: str, dtype: str, device: str, what: str) -> tuple[nn.Module, object]:
     """(model, tokenizer) from a hub id, local directory or .gguf path, placed on `device`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
+    tokenizer = load_tokenizer(spec)
     kwargs = _load_kwargs(spec, dtype, device)
     src = kwargs.pop("_src")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(src, **{k: v for k, v in kwargs.items() if k == "gguf_file"})
         model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
     except OSError as e:
         raise FileNotFoundError(f"cannot load {what} {spec!r}: {e}") from None

@@ -62,14 +62,47 @@ class FixedK:
         pass
 
 
-POLICY_FORMS = "none | fixed:K"
+class LookupTable:
+    """The paper's policy: k = best_k[batch size] from the hardware's profile.
+
+    Between profiled batch sizes the nearest one is used (the smaller on a tie); beyond the ends,
+    the end values.
+    """
+
+    name = "lut"
+
+    def __init__(self, best_k: dict[int, int]):
+        if not best_k:
+            raise ValueError("lut needs a profile with a best_k table")
+        self.sizes = sorted(best_k)
+        self.best_k = dict(best_k)
+
+    def choose(self, state: BatchState) -> int:
+        if not state.has_draft:
+            return 0
+        b = state.batch_size
+        nearest = min(self.sizes, key=lambda s: (abs(s - b), s))
+        return min(self.best_k[nearest], state.max_k)
+
+    def observe(self, stats: StepStats) -> None:
+        pass
 
 
-def make_policy(spec: str) -> Policy:
-    """Build a policy from its spec string; unknown specs raise ValueError up front."""
+POLICY_FORMS = "none | fixed:K | lut"
+
+
+def make_policy(spec: str, profile=None) -> Policy:
+    """Build a policy from its spec string; unknown specs raise ValueError up front.
+
+    `profile` (a profiles.Profile) is required by profile-driven policies such as `lut`.
+    """
     spec = spec.strip()
     if spec == "none":
         return NoSpeculation()
+    if spec == "lut":
+        if profile is None:
+            raise ValueError("policy 'lut' needs a profile for this hardware type (see profiles/)")
+        return LookupTable(profile.best_k)
     name, _, arg = spec.partition(":")
     if name == "fixed":
         if not arg.isdigit():

@@ -72,11 +72,12 @@ class Engine:
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.config = config or EngineConfig()
         self.policy = policy or make_policy(self.config.policy)
-        self.max_model_len = self.config.max_model_len or min(
-            getattr(target.model.config, "max_position_embeddings", 4096) or 4096, 4096
-        )
-        self.eos_ids = eos_ids if eos_ids is not None else _eos_ids(target.model, tokenizer)
-        self.vocab_size = vocab_size or target.model.get_output_embeddings().weight.shape[0]
+        info = target.info()  # target may be a local ModelWorker or a proxy to a Ray actor
+        self.max_model_len = self.config.max_model_len or min(info["max_position_embeddings"] or 4096, 4096)
+        if eos_ids is None:
+            eos_ids = set(info["eos_ids"]) or ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        self.eos_ids = eos_ids
+        self.vocab_size = vocab_size or info["vocab_size"]
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # running[row]: rows match both workers' `order`
         self.reserved = 0
@@ -112,7 +113,7 @@ class Engine:
                 f"request needs {reserve} KV tokens (prompt {n} + max_tokens {params.max_tokens} + "
                 f"speculation window) but the KV budget is {self.config.max_num_tokens}"
             )
-        rid = request_id or f"req-{next(self._ids)}"
+        rid = f"{request_id or 'req'}-{next(self._ids)}"  # unique even if callers reuse ids
         req = Request(rid, list(prompt_ids), params, TextStream(self.tokenizer, params.stop), reserve)
         req.stats.prompt_tokens = n
         self.waiting.append(req)
@@ -306,12 +307,3 @@ class Engine:
             for req, out in outs:
                 if req.queue is not None:
                     req.queue.put_nowait(out)
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
-    if ids is None:
-        ids = tokenizer.eos_token_id
-    if ids is None:
-        return set()
-    return set(ids) if isinstance(ids, (list, tuple)) else {int(ids)}

@@ -19,16 +19,37 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import SamplingParams
+from .profiles import detect_gpu_type
 from .kv import SlotKVCache, causal_mask, compact_rows, ragged_inputs
 from .speculative import accept_greedy, accept_sampled, sample, warp_probs
 
 
 @dataclass
 class Proposal:
-    """What the draft sends the target for one step."""
+    """What the draft sends the target for one step.
+
+    When sampling, the target needs q, the draft distributions. Top-k / top-p leave most of a
+    vocabulary at zero, so q travels as (support indices, values) when that is smaller.
+    """
 
     tokens: torch.Tensor  # [B, k] long
-    probs: torch.Tensor | None = None  # [B, k, V]: q for sampled rows (None when all rows are greedy)
+    probs: torch.Tensor | None = None  # [B, k, V] q (zeros for greedy rows), or [B, k, S] values if sparse
+    support: torch.Tensor | None = None  # [B, k, S] long vocabulary ids of the values in probs, if sparse
+
+    def compact(self) -> "Proposal":
+        """Sparse form when every row's support is below a quarter of the vocabulary."""
+        if self.probs is None or self.support is not None:
+            return self
+        width = int((self.probs > 0).sum(-1).max())
+        if width * 4 >= self.probs.shape[-1]:
+            return self
+        values, support = self.probs.topk(width, dim=-1)
+        return Proposal(self.tokens, values, support)
+
+    def dense_probs(self, vocab: int) -> torch.Tensor:  # [B, k, V]
+        if self.support is None:
+            return self.probs
+        return torch.zeros((*self.probs.shape[:2], vocab), dtype=self.probs.dtype).scatter_(-1, self.support, self.probs)
 
 
 @dataclass
@@ -107,7 +128,7 @@ class ModelWorker:
         if k == 0:
             return Proposal(torch.zeros((len(seqs), 0), dtype=torch.long))
         any_sampled = any(not s.params.greedy for s in seqs)
-        return Proposal(torch.stack(tokens, 1), torch.stack(probs, 1) if any_sampled else None)
+        return Proposal(torch.stack(tokens, 1), torch.stack(probs, 1) if any_sampled else None).compact()
 
     def commit(self, seq_ids: list[str], new_tokens: list[list[int]]) -> None:
         """Append each sequence's accepted drafts + target token; keep only KV that is still valid."""
@@ -147,13 +168,27 @@ class ModelWorker:
             p = self._warp(rows, logits[sb].reshape(len(sampled) * (k + 1), -1), repeat=k + 1)
             p = p.reshape(len(sampled), k + 1, -1).cpu()
             u = torch.stack([torch.rand(k + 1, generator=s.generator) for s in rows])  # [Bs, k+1]
-            q = proposal.probs[sb] if k > 0 else p[:, :0]
+            q = proposal.dense_probs(p.shape[-1])[sb] if k > 0 else p[:, :0]
             n, t = accept_sampled(proposal.tokens[sb], q, p, u[:, :k], u[:, k])
             num_acc[sb], next_tok[sb] = n, t
         for s, n_b, d, t, length in zip(seqs, num_acc.tolist(), drafts, next_tok.tolist(), lens):
             s.tokens.extend(d[:n_b] + [t])
             s.kv_len = length + n_b  # KV through the last accepted draft; t is pending
         return num_acc.tolist(), next_tok.tolist()
+
+    def info(self) -> dict:
+        """What the engine needs to know about this model without holding it."""
+        cfg = self.model.config
+        gen = getattr(self.model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None)
+        eos = [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+        return {
+            "role": self.role,
+            "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
+            "vocab_size": self.model.get_output_embeddings().weight.shape[0],
+            "eos_ids": eos,
+            "gpu_type": detect_gpu_type(),
+        }
 
     # ---- internals -------------------------------------------------------------------------
     def _rows(self, seq_ids: list[str]) -> list[Sequence]:

@@ -1,0 +1,46 @@
+"""build_app: wire ProfileStore, one Router deployment per engine group, and the OpenAI ingress.
+
+Usable by `serve run deployments.app:build_app` with args, by serve_config.yaml (and so by a
+KubeRay RayService), and by `specserve serve`.
+"""
+
+from __future__ import annotations
+
+from ray.serve import Application
+
+from serve_app.models import EMBEDDED
+
+from .config import AppConfig
+from .ingress import OpenAIIngress
+from .profile_store import ProfileStore
+from .router import Router
+
+
+def served_name(cfg: AppConfig) -> str:
+    if cfg.served_model_name:
+        return cfg.served_model_name
+    if cfg.model.target == EMBEDDED:
+        return "SmolLM2-135M-Instruct"
+    return cfg.model.target.rstrip("/").split("/")[-1]
+
+
+def build_app(args: dict | None = None) -> Application:
+    cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
+    store = ProfileStore.bind(cfg.profiles_dir)
+    routers = []
+    for g in cfg.groups:
+        actor_options: dict = {"num_cpus": 0}
+        if g.accelerator_type:
+            actor_options["accelerator_type"] = g.accelerator_type
+        if g.resources:  # the router sits on a node of its group's type too
+            actor_options["resources"] = {name: 0.001 for name in g.resources}
+        routers.append(
+            Router.options(
+                name=f"Router-{g.name}", num_replicas=g.num_replicas, ray_actor_options=actor_options,
+                health_check_period_s=cfg.health_check_period_s,
+            ).bind(g.model_dump(), cfg.model.model_dump(), cfg.engine.model_dump(), cfg.max_queue, store, cfg.profile_poll_s)
+        )
+    return OpenAIIngress.bind(
+        routers, [g.name for g in cfg.groups], cfg.model.target, served_name(cfg),
+        cfg.max_tokens_limit, cfg.engine.max_stop_strings,
+    )

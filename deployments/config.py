@@ -1,0 +1,59 @@
+"""Deployment settings: engine groups (one per GPU type) and the application around them."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from serve_app.config import EngineConfig, ModelConfig
+
+
+class GroupConfig(BaseModel):
+    """One engine group: Router replicas whose worker pairs sit on one kind of hardware."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("default", pattern=r"^[A-Za-z0-9_-]+$")
+    """Group name; its Router deployment is called Router-<name>."""
+    gpu_type: str | None = None
+    """Profile key for this group (e.g. NVIDIA_A100). None: detected on the target worker."""
+    accelerator_type: str | None = None
+    """Ray accelerator type the workers must run on (e.g. A100, L4); None: any node."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each worker needs (another way to pin a group to a node type)."""
+    num_gpus: float = Field(0, ge=0)
+    """GPUs per worker actor: 1 on GPU nodes, a fraction to share one GPU, 0 on CPU."""
+    worker_cpus: float = Field(1, gt=0)
+    """CPUs reserved per worker actor."""
+    torch_threads: int = Field(0, ge=0)
+    """torch threads per worker actor; 0 keeps torch's default."""
+    num_replicas: int = Field(1, ge=1)
+    """Router replicas (each with its own draft + target pair)."""
+    placement_strategy: str = Field("STRICT_PACK", pattern="^(STRICT_PACK|PACK|SPREAD|STRICT_SPREAD)$")
+    """Placement of a replica's two workers; STRICT_PACK keeps them on one node."""
+    call_timeout_s: float = Field(120, gt=0)
+    """A worker call slower than this fails the step (its requests end with 503) instead of hanging."""
+
+
+class AppConfig(BaseModel):
+    """Everything build_app needs: models, engine limits, groups, HTTP limits."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """Target and draft for every group."""
+    engine: EngineConfig = Field(default_factory=lambda: EngineConfig(policy="lut"))
+    """Batching limits and the speculation policy (lut: the profile of each group's hardware)."""
+    groups: list[GroupConfig] = Field(default_factory=lambda: [GroupConfig()], min_length=1)
+    """Engine groups behind the one ingress (one per GPU type)."""
+    served_model_name: str | None = None
+    """Model name clients send; None: the target's name (e.g. SmolLM2-135M-Instruct)."""
+    max_queue: int = Field(64, ge=1)
+    """Requests waiting for admission per Router replica; beyond it, 429."""
+    max_tokens_limit: int = Field(2048, ge=1)
+    """Largest max_tokens a request may ask for."""
+    profiles_dir: str | None = "profiles"
+    """Directory of profile JSON files loaded by the ProfileStore at start."""
+    profile_poll_s: float = Field(2.0, gt=0)
+    """How often routers check the ProfileStore for a newer profile."""
+    health_check_period_s: float = Field(10, gt=0)
+    """How often Serve checks each Router (and through it, its workers)."""

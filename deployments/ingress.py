@@ -1,0 +1,253 @@
+"""OpenAI-compatible HTTP ingress: /v1/completions, /v1/chat/completions, /v1/models, /healthz.
+
+Validates requests (OpenAI-style JSON errors with the right status), tokenizes, and sends each
+request to the engine group with the fewest requests in flight. Streams as server-sent events the
+way the openai python client expects: one chunk per accepted piece of text, then `data: [DONE]`.
+"""
+
+
+import json
+import os
+import time
+import uuid
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+
+from serve_app.models import load_tokenizer
+from serve_app.prompts import encode_prompt
+
+app = FastAPI(title="specserve", description="OpenAI-compatible speculative decoding server")
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None, headers=None):
+    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+@app.exception_handler(APIError)
+async def _api_error(request: Request, e: APIError):
+    headers = {"Retry-After": "1"} if e.status == 429 else None
+    return error_response(e.status, e.message, e.param, e.code, headers)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, e: RequestValidationError):
+    err = e.errors()[0]
+    if err["type"] == "json_invalid":
+        return error_response(400, f"malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}", code="invalid_json")
+    loc = [str(x) for x in err["loc"] if x not in ("body", "query")]
+    param = ".".join(loc) or None
+    return error_response(400, f"{param}: {err['msg']}" if param else err["msg"], param, "invalid_value")
+
+
+def request_id(request: Request) -> str:
+    """The request's id: Serve's proxy echoes a client's X-Request-Id (or makes one) on the response."""
+    return request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex[:16]}"
+
+
+async def _next(events) -> dict:
+    """The next engine event; a router that died mid-request becomes an error event, not a hang."""
+    try:
+        return await events.__anext__()
+    except StopAsyncIteration:
+        return {"error": "engine stream ended early", "token_ids": [], "finished": True, "status": 503}
+    except Exception as e:
+        return {"error": f"engine failed: {type(e).__name__}", "token_ids": [], "finished": True, "status": 503}
+
+
+class SamplingFields(BaseModel):
+    """Request fields shared by completions and chat completions (unknown OpenAI fields are ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: dict | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: bool | int | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str]
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, routers: list, groups: list[str], target: str, served_model_name: str,
+                 max_tokens_limit: int, max_stop_strings: int):
+        self.routers = dict(zip(groups, routers))
+        self.in_flight = {g: 0 for g in groups}
+        self.tokenizer = load_tokenizer(target)
+        self.model_name = served_model_name
+        self.max_tokens_limit, self.max_stop_strings = max_tokens_limit, max_stop_strings
+        self.api_key = os.environ.get("SPECSERVE_API_KEY") or None
+        self.created = int(time.time())
+
+    # ---- endpoints ---------------------------------------------------------------------------
+    @app.get("/healthz")
+    async def healthz(self):
+        return {"status": "ok", "groups": list(self.routers)}
+
+    @app.get("/v1/models")
+    async def models(self, request: Request):
+        self._auth(request)
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specserve"}]}
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, request: Request):
+        self._auth(request)
+        prompt = body.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise APIError(400, "prompt: send one prompt per request (a list of exactly one string)", "prompt")
+            prompt = prompt[0]
+        ids = self._encode(prompt=prompt)
+        return await self._respond(request, body, ids, body.max_tokens or 16, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(self, body: ChatRequest, request: Request):
+        self._auth(request)
+        ids = self._encode(messages=[m.model_dump() for m in body.messages])
+        return await self._respond(request, body, ids, body.max_completion_tokens or body.max_tokens or 256, chat=True)
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _auth(self, request: Request) -> None:
+        if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
+            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
+
+    def _encode(self, prompt=None, messages=None) -> list[int]:
+        try:
+            return encode_prompt(self.tokenizer, prompt, messages)
+        except ValueError as e:
+            raise APIError(400, str(e), "messages" if messages is not None else "prompt", "invalid_value") from None
+
+    def _params(self, body: SamplingFields, max_tokens: int) -> dict:
+        if body.model != self.model_name:
+            raise APIError(400, f"model '{body.model}' is not served here; available: {self.model_name}", "model", "model_not_found")
+        if body.n != 1:
+            raise APIError(400, "n: only n=1 is supported", "n", "invalid_value")
+        if body.logprobs:
+            raise APIError(400, "logprobs: not supported", "logprobs", "invalid_value")
+        if max_tokens > self.max_tokens_limit:
+            raise APIError(400, f"max_tokens: {max_tokens} is over this server's limit of {self.max_tokens_limit}", "max_tokens", "invalid_value")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stop) > self.max_stop_strings or any(not s for s in stop):
+            raise APIError(400, f"stop: at most {self.max_stop_strings} non-empty stop strings", "stop", "invalid_value")
+        return {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
+                "top_k": max(body.top_k, 0), "seed": body.seed, "stop": stop}
+
+    def _pick_group(self) -> str:
+        return min(self.in_flight, key=self.in_flight.get)
+
+    async def _respond(self, request: Request, body: SamplingFields, ids: list[int], max_tokens: int, chat: bool):
+        params = self._params(body, max_tokens)
+        rid = request_id(request)
+        group = self._pick_group()
+        self.in_flight[group] += 1
+        released = False
+
+        def release():
+            nonlocal released
+            if not released:
+                self.in_flight[group] -= 1
+                released = True
+
+        try:
+            events = self.routers[group].options(stream=True).generate.remote(ids, params, rid)
+            first = await events.__anext__()
+        except Exception as e:  # the group's router is down or restarting
+            release()
+            raise APIError(503, f"engine group '{group}' unavailable: {type(e).__name__}", code="engine_unavailable") from None
+        if "error" in first:
+            release()
+            raise APIError(first["status"], first["error"], code="invalid_value" if first["status"] == 400 else None)
+        meta = {"id": ("chatcmpl-" if chat else "cmpl-") + rid, "created": int(time.time()), "model": self.model_name}
+        if not body.stream:
+            try:
+                return await self._collect(first, events, meta, len(ids), chat)
+            finally:
+                release()
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        return StreamingResponse(
+            self._sse(first, events, meta, len(ids), chat, include_usage, release), media_type="text/event-stream"
+        )
+
+    async def _collect(self, first: dict, events, meta: dict, n_prompt: int, chat: bool):
+        text, n_out, ev = [first["text"]], len(first["token_ids"]), first
+        while not ev["finished"]:
+            ev = await _next(events)
+            text.append(ev["text"])
+            n_out += len(ev["token_ids"])
+        if ev.get("error"):
+            raise APIError(503, ev["error"], code="engine_error")
+        content = "".join(text)
+        choice = {"index": 0, "finish_reason": ev["finish_reason"]}
+        choice.update({"message": {"role": "assistant", "content": content}} if chat else {"text": content, "logprobs": None})
+        return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+                "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}}
+
+    async def _sse(self, first: dict, events, meta: dict, n_prompt: int, chat: bool, include_usage: bool, release):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
+            if chat:
+                delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
+                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice]})}\n\n"
+
+        n_out = 0
+        try:
+            if chat:
+                yield chunk("", None, role=True)
+            ev = first
+            while True:
+                n_out += len(ev["token_ids"])
+                if ev.get("error"):
+                    err = {"message": ev["error"], "type": ERROR_TYPES[503], "param": None, "code": "engine_error"}
+                    yield f"data: {json.dumps({'error': err})}\n\n"
+                    return
+                if ev["text"]:
+                    yield chunk(ev["text"], None)
+                if ev["finished"]:
+                    yield chunk(None if chat else "", ev["finish_reason"])
+                    break
+                ev = await _next(events)
+            if include_usage:
+                usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+                yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            # Client gone or stream done: cancelling frees the sequence's batch slot and KV at the next step.
+            events.cancel()
+            release()

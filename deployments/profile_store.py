@@ -1,0 +1,33 @@
+"""ProfileStore: the one shared copy of the speculation profiles, keyed by hardware type, versioned.
+
+Routers read their hardware type's profile at start and poll for a newer version; `specserve
+profiles push FILE` replaces a profile while the service runs (no restart).
+"""
+
+from __future__ import annotations
+
+from ray import serve
+
+from serve_app.profiles import Profile, load_profiles
+
+
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+class ProfileStore:
+    def __init__(self, profiles_dir: str | None):
+        self.profiles: dict[str, Profile] = load_profiles(profiles_dir) if profiles_dir else {}
+        self.versions: dict[str, int] = {name: 1 for name in self.profiles}
+
+    def get(self, gpu_type: str) -> tuple[int, dict | None]:
+        """(version, profile as a dict) for a hardware type; (0, None) if there is none."""
+        prof = self.profiles.get(gpu_type)
+        return (self.versions.get(gpu_type, 0), prof.model_dump() if prof else None)
+
+    def push(self, profile: dict) -> int:
+        """Validate and store a profile, replacing any for the same hardware type; returns its version."""
+        prof = Profile.model_validate(profile)
+        self.profiles[prof.gpu_type] = prof
+        self.versions[prof.gpu_type] = self.versions.get(prof.gpu_type, 0) + 1
+        return self.versions[prof.gpu_type]
+
+    def list(self) -> dict[str, int]:
+        return dict(self.versions)

@@ -1,0 +1,285 @@
+"""The Ray Serve deployment on a real local Ray cluster, driven by the real openai client and httpx.
+
+One Ray + Serve session for the module: two engine groups ("A", "B") pinned to custom resources
+that stand in for two GPU types, each with its own profile (k table). Tiny float64 models.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from conftest import make_tokenizer, tiny_llama
+from serve_app.cli import main as cli_main
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+from openai import APIError, OpenAI  # noqa: E402
+
+pytestmark = pytest.mark.integration
+MODEL = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_profile(path, gpu_type, k):
+    path.write_text(json.dumps({"gpu_type": gpu_type, "target": "tiny", "draft": "tiny-draft", "best_k": {"1": k, "16": k}}))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    tok = make_tokenizer()
+    eos = tok.convert_tokens_to_ids("<eos>")
+    for name, seed, layers in [("target", 0, 2), ("draft", 5, 1)]:
+        model = tiny_llama(len(tok), layers, seed=seed, dtype=torch.float32, eos=eos)
+        with torch.no_grad():
+            model.lm_head.weight[eos] = 0  # random tiny models would often stop at once; keep outputs long
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    (root / "profiles").mkdir()
+    write_profile(root / "profiles" / "A.json", "A", 1)
+    write_profile(root / "profiles" / "B.json", "B", 3)
+    http_port, metrics_port = free_port(), free_port()
+    model_cfg = {"target": str(root / "target"), "draft": str(root / "draft"), "dtype": "float64"}
+    cfg = {
+        "model": model_cfg,
+        "engine": {"policy": "lut", "max_batch_size": 8, "max_model_len": 96},
+        "groups": [{"name": g, "gpu_type": g, "resources": {f"gpu_{g}": 1}, "torch_threads": 1} for g in "AB"],
+        "served_model_name": MODEL, "profiles_dir": str(root / "profiles"), "max_tokens_limit": 128,
+        "profile_poll_s": 0.5, "health_check_period_s": 1,
+    }
+    ray.init(num_cpus=16, resources={"gpu_A": 4, "gpu_B": 4}, include_dashboard=False,
+             _metrics_export_port=metrics_port, logging_level="ERROR", log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    from deployments.app import build_app
+    from deployments.ingress import OpenAIIngress
+
+    serve.run(build_app(cfg), name="specserve", route_prefix="/")
+    secured = OpenAIIngress.options(
+        name="SecuredIngress", ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": {"SPECSERVE_API_KEY": "sekret"}}}
+    ).bind([serve.get_deployment_handle("Router-A", "specserve")], ["A"], model_cfg["target"], MODEL, 128, 4)
+    serve.run(secured, name="secured", route_prefix="/secured")
+    url = f"http://127.0.0.1:{http_port}"
+    yield {"url": url, "root": root, "model": model_cfg, "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
+           "client": OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)}
+    serve.shutdown()
+    ray.shutdown()
+
+
+def router(group):
+    return serve.get_deployment_handle(f"Router-{group}", "specserve")
+
+
+def stats(group):
+    return router(group).stats.remote().result()
+
+
+PROMPTS = ["the cat sat on the", "a big red dog ran to", "it is very blue and"]
+
+
+def test_openai_client_gets_the_text_specserve_generate_produces(service, tmp_path):
+    lines = [{"prompt": p} for p in PROMPTS] + [{"messages": [{"role": "user", "content": p}]} for p in PROMPTS]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    m = service["model"]
+    assert cli_main(["generate", "--prompts", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "out.jsonl"),
+                     "--target", m["target"], "--dtype", "float64", "--max-tokens", "20"]) == 0
+    expected = [json.loads(x)["text"] for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert all(expected)
+    c = service["client"]
+    for i, p in enumerate(PROMPTS):
+        r = c.completions.create(model=MODEL, prompt=p, max_tokens=20, temperature=0)
+        assert r.choices[0].text == expected[i]
+        assert r.usage.completion_tokens == 20 and r.choices[0].finish_reason == "length"
+        stream = c.completions.create(model=MODEL, prompt=p, max_tokens=20, temperature=0, stream=True)
+        assert "".join(ch.choices[0].text for ch in stream) == expected[i]
+    for i, p in enumerate(PROMPTS):
+        msgs = [{"role": "user", "content": p}]
+        r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=20, temperature=0)
+        assert r.choices[0].message.content == expected[3 + i]
+        chunks = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=20, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == expected[3 + i]
+        assert chunks[-1].usage.completion_tokens == 20
+
+
+def test_models_health_and_request_id(service):
+    assert [m.id for m in service["client"].models.list()] == [MODEL]
+    r = httpx.get(f"{service['url']}/healthz")
+    assert r.status_code == 200 and r.json()["groups"] == ["A", "B"]
+    r = httpx.post(f"{service['url']}/v1/completions", headers={"X-Request-Id": "my-id-7"},
+                   json={"model": MODEL, "prompt": "the cat", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "my-id-7" and r.json()["id"] == "cmpl-my-id-7"
+    r = httpx.post(f"{service['url']}/v1/completions", json={"model": MODEL, "prompt": "the cat", "max_tokens": 2})
+    assert r.json()["id"] == "cmpl-" + r.headers["x-request-id"]  # one id in the body, the header and the logs
+
+
+def test_concurrent_requests_are_batched_on_both_groups_each_with_its_own_k(service):
+    c = service["client"]
+
+    def ask(i):
+        return c.completions.create(model=MODEL, prompt=PROMPTS[i % 3], max_tokens=40, temperature=0.8, seed=i)
+
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(ask, range(12)))
+    assert all(1 <= r.usage.completion_tokens <= 40 for r in results)  # sampling may stop at EOS
+    a, b = stats("A"), stats("B")
+    assert a["max_batch_seen"] > 1 or b["max_batch_seen"] > 1
+    assert set(a["k_steps"]) == {1} and set(b["k_steps"]) == {3}  # each group follows its own profile
+    assert a["gpu_type"] == "A" and b["gpu_type"] == "B"
+    # each group's draft + target hold one unit each of that group's resource (of 4)
+    free = ray.available_resources()
+    assert free["gpu_A"] < 2.01 and free["gpu_B"] < 2.01
+    assert all(ray.get_actor(name) for name in a["actors"] + b["actors"])
+
+
+def test_metrics_are_exported_with_gpu_type_labels(service):
+    deadline, text = time.time() + 60, ""
+    while time.time() < deadline:
+        text = httpx.get(service["metrics"]).text
+        if "specserve_accepted_tokens" in text and "specserve_batch_size" in text:
+            break
+        time.sleep(2)
+    for name in ["specserve_requests", "specserve_generated_tokens", "specserve_ttft_seconds_bucket",
+                 "specserve_tpot_seconds_bucket", "specserve_step_seconds_bucket", "specserve_batch_size",
+                 "specserve_speculation_k", "specserve_proposed_tokens", "specserve_accepted_tokens", "specserve_queue_depth"]:
+        assert name in text, name
+    assert 'gpu_type="A"' in text and 'gpu_type="B"' in text
+    batch = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("ray_specserve_batch_size{")]
+    assert batch, "batch size gauge missing"
+
+
+BAD = [
+    ("/v1/completions", "{not json", "malformed JSON", None),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "ten"}, "max_tokens", "max_tokens"),
+    ("/v1/completions", {"model": "gpt-9", "prompt": "the cat"}, "not served here", "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt is empty", "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, "one prompt per request", "prompt"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, "non-empty list", "messages"),
+    ("/v1/completions", {"model": MODEL, "prompt": "the cat", "max_tokens": 0}, "max_tokens", "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "the cat", "max_tokens": 500}, "over this server's limit", "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "the cat " * 60}, "context limit is 96", None),
+    ("/v1/completions", {"model": MODEL, "prompt": "the cat", "temperature": 3}, "temperature", "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "the cat", "top_p": 0}, "top_p", "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "the cat", "top_k": -5}, "top_k", "top_k"),
+    ("/v1/completions", {"model": MODEL, "prompt": "the cat", "n": 2}, "only n=1", "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "the cat", "stop": ["a", "b", "c", "d", "e"]}, "stop strings", "stop"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, "messages", "messages.0.role"),
+]
+
+
+@pytest.mark.parametrize("path, body, message, param", BAD)
+def test_bad_input_gets_400_with_openai_error_body(service, path, body, message, param):
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, str) else {"json": body}
+    r = httpx.post(f"{service['url']}{path}", **kwargs)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert message in err["message"]
+    if param:
+        assert err["param"] == param
+
+
+def test_server_keeps_serving_after_bad_input(service):
+    r = service["client"].completions.create(model=MODEL, prompt="the cat", max_tokens=5, temperature=0)
+    assert r.usage.completion_tokens == 5
+
+
+def test_queue_over_its_bound_gets_429_with_retry_after(service):
+    for g in "AB":
+        router(g).reconfigure.remote({"max_queue": 1}).result()
+    try:
+        def post(i):
+            return httpx.post(f"{service['url']}/v1/completions", timeout=120,
+                              json={"model": MODEL, "prompt": "the cat", "max_tokens": 60, "temperature": 0})
+
+        with ThreadPoolExecutor(32) as pool:
+            rs = list(pool.map(post, range(32)))
+    finally:
+        for g in "AB":
+            router(g).reconfigure.remote({"max_queue": 64}).result()
+    codes = [r.status_code for r in rs]
+    assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
+    busy = next(r for r in rs if r.status_code == 429)
+    assert busy.headers["retry-after"] == "1" and busy.json()["error"]["type"] == "rate_limit_error"
+    assert all(r.json()["usage"]["completion_tokens"] == 60 for r in rs if r.status_code == 200)
+
+
+def test_client_disconnect_frees_the_slot(service):
+    body = {"model": MODEL, "prompt": "the cat", "max_tokens": 120, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{service['url']}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        running = stats("A")["running"] + stats("B")["running"]
+        assert running >= 1
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        a, b = stats("A"), stats("B")
+        if a["running"] + b["running"] == 0 and a["reserved"] + b["reserved"] == 0:
+            break
+        time.sleep(0.2)
+    assert a["running"] + b["running"] == 0 and a["reserved"] + b["reserved"] == 0
+
+
+def test_api_key_is_required_when_set(service):
+    url = f"{service['url']}/secured/v1/completions"
+    body = {"model": MODEL, "prompt": "the cat", "max_tokens": 2}
+    assert httpx.post(url, json=body).status_code == 401
+    r = httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.post(url, json=body, headers={"Authorization": "Bearer sekret"}).status_code == 200
+    assert httpx.get(f"{service['url']}/secured/healthz").status_code == 200  # health needs no key
+
+
+def test_profile_push_changes_k_without_restart(service, tmp_path):
+    before = stats("A")
+    profile = write_profile(tmp_path / "A.json", "A", 2)
+    address = ray.get_runtime_context().gcs_address
+    proc = subprocess.run([sys.executable, "-m", "serve_app.cli", "profiles", "push", profile, "--address", address],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "now version 2" in proc.stdout
+    time.sleep(1.5)  # routers poll every 0.5 s
+    service["client"].completions.create(model=MODEL, prompt="the cat", max_tokens=20, temperature=0)
+    after = stats("A")
+    assert after["profile_version"] == 2 and after["k_steps"].get(2, 0) > 0
+    assert after["actors"] == before["actors"]  # same workers: no restart
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"gpu_type": "A", "best_k": {}}')
+    proc = subprocess.run([sys.executable, "-m", "serve_app.cli", "profiles", "push", str(bad), "--address", address],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "profile" in proc.stderr
+
+
+def test_dead_worker_gives_errors_then_recovery(service):
+    """Kill group A's target actor mid-stream: the stream ends with an error, then Serve replaces the replica."""
+    c = service["client"]
+    victim = stats("A")["actors"][0]
+    stream = c.completions.create(model=MODEL, prompt="the cat", max_tokens=120, temperature=0, stream=True)
+    first = next(iter(stream))
+    assert first.choices[0].text is not None
+    ray.kill(ray.get_actor(victim))
+    with pytest.raises(APIError):
+        for _ in stream:
+            pass
+    deadline, ok = time.time() + 120, False
+    while time.time() < deadline and not ok:
+        try:
+            ok = c.completions.create(model=MODEL, prompt="the cat", max_tokens=5, temperature=0).usage.completion_tokens == 5
+        except APIError:
+            time.sleep(1)
+    assert ok, "service did not recover"
+    assert stats("A")["actors"][0] != victim
+
