@@ -182,7 +182,7 @@ class OpenAIIngress:
                 released = True
 
         try:
-            events = self.routers[group].options(stream=True).generate.remote(ids, params, rid)
+            events = self.routers[group].options(stream=True).generate.remote(ids, params, rid, body.stream)
             first = await events.__anext__()
         except Exception as e:  # the group's router is down or restarting
             release()

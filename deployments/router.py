@@ -45,6 +45,7 @@ class Router:
         self.pg, self.actors = self._start_workers(mc, has_draft)
         target = RemoteWorker(self.actors[0], self.group.call_timeout_s)
         draft = RemoteWorker(self.actors[1], self.group.call_timeout_s) if has_draft else None
+        await asyncio.gather(*(a.ping.remote() for a in self.actors))  # ready only once both models loaded
         info = await self.actors[0].call.remote("info")
         self.gpu_type = self.group.gpu_type or info["gpu_type"]
         self.profile_version, self.profile = await self._fetch_profile()
@@ -106,8 +107,12 @@ class Router:
             m.set_default_tags({"gpu_type": self.gpu_type, "group": self.group.name})
 
     # ---- serving -----------------------------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], params: dict, request_id: str = "req"):
-        """Stream events: {text, token_ids, finished, finish_reason, ...}, or one {error, status}."""
+    async def generate(self, prompt_ids: list[int], params: dict, request_id: str = "req", stream: bool = True):
+        """Events {text, token_ids, finished, finish_reason, ...}, or one {error, status}.
+
+        stream=False sends a single final event with the whole text: every event costs a hop through
+        Serve (router -> ingress -> proxy) on the CPUs the models use, so unstreamed requests skip them.
+        """
         self._ensure_poll()
         if len(self.engine.waiting) >= self.max_queue:
             self.m_requests.inc(tags={"status": "429"})
@@ -117,13 +122,22 @@ class Router:
             sampling = SamplingParams(**params)
         except ValidationError as e:
             err = e.errors()[0]
+            self.m_requests.inc(tags={"status": "400"})
             yield {"error": f"{'.'.join(map(str, err['loc']))}: {err['msg']}", "status": 400}
             return
+        text, token_ids = [], []
         try:
             async for out in self.engine.generate(prompt_ids, sampling, request_id):
                 if out.finished:
                     self._record_request(out)
-                yield self._event(out)
+                if stream:
+                    yield self._event(out)
+                    continue
+                text.append(out.text)
+                token_ids += out.token_ids
+                if out.finished:
+                    out.text, out.token_ids = "".join(text), token_ids
+                    yield self._event(out)
         except ValueError as e:  # refused by Engine.submit before anything was generated
             self.m_requests.inc(tags={"status": "400"})
             yield {"error": str(e), "status": 400}

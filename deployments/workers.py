@@ -7,6 +7,8 @@ with the same methods, so the engine's step runs unchanged across actors. Per st
 
 from __future__ import annotations
 
+import os
+
 import ray
 import torch
 
@@ -21,8 +23,8 @@ class _ModelHost:
     role = ""
 
     def __init__(self, model: dict, torch_threads: int = 0):
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
+        # Ray sets OMP_NUM_THREADS to the actor's num_cpus (1), which would leave torch one core.
+        torch.set_num_threads(torch_threads or os.cpu_count() or 1)
         mc = ModelConfig(**model)
         target, tokenizer, _ = load_target(mc.target, mc.dtype, mc.device)
         chosen = target if self.role == "target" else load_draft(draft_spec(mc), target, tokenizer, mc.dtype, mc.device)

@@ -69,3 +69,16 @@ def _empty(b):
 def _row(w, sid):
     seq, row = w.seqs[sid], w.order.index(sid)
     return torch.stack([k[row, :, : seq.kv_len] for k in w.cache.keys]).clone()
+
+
+def test_proposal_travels_sparse_when_support_is_small_and_densifies_exactly():
+    from serve_app.worker import Proposal
+
+    probs = torch.zeros(2, 3, 40)
+    probs[..., 5], probs[..., 7] = 0.75, 0.25
+    probs[1, :, 9] = 0.5
+    p = Proposal(torch.zeros(2, 3, dtype=torch.long), probs).compact()
+    assert p.support is not None and p.probs.shape == (2, 3, 3)
+    assert torch.equal(p.dense_probs(40), probs)
+    dense = Proposal(torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1, 8), 0.125)).compact()
+    assert dense.support is None  # full support: sparse would be larger

@@ -31,3 +31,22 @@ def test_fixed_clamps_to_max_k_and_needs_a_draft():
 def test_step_stats_acceptance_rate():
     assert StepStats(proposed=8, accepted=6).acceptance_rate == 0.75
     assert StepStats().acceptance_rate == 0.0
+
+
+def test_lut_uses_nearest_profiled_batch_size_and_clamps_at_the_ends():
+    from serve_app.policy import LookupTable
+
+    lut = LookupTable({1: 5, 4: 3, 16: 2, 32: 1})
+    pick = {b: lut.choose(BatchState(batch_size=b, max_k=8)) for b in (1, 2, 3, 4, 9, 10, 11, 24, 25, 64)}
+    assert pick == {1: 5, 2: 5, 3: 3, 4: 3, 9: 3, 10: 3, 11: 2, 24: 2, 25: 1, 64: 1}  # ties go to the smaller size
+    assert lut.choose(BatchState(batch_size=1, max_k=2)) == 2
+    assert lut.choose(BatchState(batch_size=1, max_k=8, has_draft=False)) == 0
+
+
+def test_lut_needs_a_profile():
+    from serve_app.profiles import Profile
+
+    with pytest.raises(ValueError, match="needs a profile"):
+        make_policy("lut")
+    assert make_policy("lut", Profile(gpu_type="x", target="t", draft="d", best_k={"2": 3})).choose(
+        BatchState(batch_size=7, max_k=8)) == 3
