@@ -25,7 +25,7 @@ serve: install  ## local Ray + Serve: the OpenAI-compatible endpoint on the embe
 	$(VENV)/bin/specserve serve --host $(or $(HOST),127.0.0.1) --port $(or $(PORT),8000)
 
 run: install  ## offline: generate completions for the example prompts on the embedded default model
-	$(VENV)/bin/specserve generate --prompts examples/prompts.jsonl --out out/completions.jsonl --policy fixed:2
+	$(VENV)/bin/specserve generate --prompts examples/prompts.jsonl --out out/completions.jsonl --policy fixed:3
 	@cat out/completions.jsonl | $(PY) -c "import sys,json; [print(repr(json.loads(l).get('text', l))[:160]) for l in sys.stdin]"
 
 test: install  ## the whole default test suite (CPU, no network)
@@ -42,3 +42,23 @@ bench-http: install  ## tokens/s through HTTP vs the offline engine at the same 
 
 clean:
 	rm -rf $(VENV) out results .pytest_cache
+
+.PHONY: loadtest dashboards k8s-profiles
+
+# Locust, headless, then a PNG report (loadtest/README.md). SHAPE=step|sine|spike|paper (default paper),
+# DURATION=seconds (default 300; SMOKE=1: 30), USERS_SCALE=x, URL=http://host:8000 (default: the local
+# service, started if none answers), METRICS_URL=http://node:8080/metrics[,...] or prom+http://prometheus:9090.
+loadtest: install  ## Locust load test against the service; CSVs + report PNG in out/loadtest (OUT=dir)
+	$(PY) -m loadtest.run --shape $(or $(SHAPE),paper) --duration $(if $(SMOKE),30,$(or $(DURATION),300)) \
+	  --users-scale $(or $(USERS_SCALE),1) --out $(or $(OUT),out/loadtest) \
+	  $(if $(URL),--url $(URL)) $(if $(METRICS_URL),--metrics-url $(METRICS_URL))
+
+# grafana-client pulls urllib3-future, whose wheel overwrites urllib3 for the whole venv: built from
+# source with URLLIB3_NO_OVERRIDE=1 it stays beside urllib3 instead.
+dashboards: install  ## upload k8s/dashboards/*.json to Grafana (GRAFANA_URL=..., GRAFANA_TOKEN=...)
+	@$(PY) -c "import grafana_client" 2>/dev/null || \
+	  URLLIB3_NO_OVERRIDE=1 $(PY) -m pip install -q --no-binary urllib3-future 'grafana-client>=5.1,<6'
+	$(PY) k8s/provision_dashboards.py
+
+k8s-profiles: install  ## out/k8s/profiles-configmap.yaml: the specserve-profiles ConfigMap from profiles/*.json
+	$(PY) k8s/profiles_configmap.py --out out/k8s/profiles-configmap.yaml

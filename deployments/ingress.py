@@ -226,7 +226,7 @@ class OpenAIIngress:
                 choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
             return f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice]})}\n\n"
 
-        n_out = 0
+        n_out, finished = 0, False
         try:
             if chat:
                 yield chunk("", None, role=True)
@@ -240,6 +240,7 @@ class OpenAIIngress:
                 if ev["text"]:
                     yield chunk(ev["text"], None)
                 if ev["finished"]:
+                    finished = True
                     yield chunk(None if chat else "", ev["finish_reason"])
                     break
                 ev = await _next(events)
@@ -248,6 +249,6 @@ class OpenAIIngress:
                 yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            # Client gone or stream done: cancelling frees the sequence's batch slot and KV at the next step.
-            events.cancel()
+            if not finished:  # client gone: cancelling frees the sequence's batch slot and KV at the next step
+                events.cancel()
             release()

@@ -9,6 +9,7 @@ profile takes effect without a restart).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections import Counter as Tally
 
@@ -177,7 +178,8 @@ class Router:
     # ---- profiles, health, introspection ----------------------------------------------------
     def _ensure_poll(self) -> None:
         if self.store is not None and (self._poll_task is None or self._poll_task.done()):
-            self._poll_task = asyncio.get_running_loop().create_task(self._poll_profiles())
+            # Fresh context: the poller outlives the request that happened to start it.
+            self._poll_task = asyncio.get_running_loop().create_task(self._poll_profiles(), context=contextvars.Context())
 
     async def _poll_profiles(self) -> None:
         while True:

@@ -64,7 +64,7 @@ def hf_generate(model, prompts: list[list[int]], max_tokens: int, bar: tqdm) -> 
 def engine_run(models, policy: str, prompts: list[list[int]], max_tokens: int, batch: int, bar: tqdm):
     """Greedy engine run: `batch` 1 feeds requests one at a time, otherwise all at once.
 
-    Returns (seconds, outputs, acceptance rate). Fresh workers per run, shared weights.
+    Returns (seconds, outputs, acceptance rate, tokens per decode step). Fresh workers per run.
     """
     pad = models.tokenizer.pad_token_id or 0
     draft = ModelWorker(models.draft, "draft", pad) if policy != "none" and models.draft is not None else None
@@ -72,7 +72,7 @@ def engine_run(models, policy: str, prompts: list[list[int]], max_tokens: int, b
     engine = Engine(ModelWorker(models.target, "target", pad), draft, models.tokenizer, cfg)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     groups = [[p] for p in prompts] if batch == 1 else [prompts]
-    total, outs, proposed, accepted = 0.0, [], 0, 0
+    total, outs, proposed, accepted, steps = 0.0, [], 0, 0, 0
     for group in groups:
         t = time.perf_counter()
         reqs = [engine.submit(p, params) for p in group]
@@ -81,8 +81,24 @@ def engine_run(models, policy: str, prompts: list[list[int]], max_tokens: int, b
         outs += [r.output_ids for r in reqs]
         proposed += sum(r.stats.proposed for r in reqs)
         accepted += sum(r.stats.accepted for r in reqs)
+        steps += sum(r.stats.steps for r in reqs)
         bar.update(len(group))
-    return total, outs, (accepted / proposed if proposed else 0.0)
+    return total, outs, (accepted / proposed if proposed else 0.0), (1 + accepted / steps if steps else 1.0)
+
+
+def forward_ms(model, context: int = 64, reps: int = 30) -> float:
+    """Median latency of one single-token forward at batch 1 after `context` cached tokens."""
+    from transformers import DynamicCache
+
+    times = []
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(torch.arange(1, context + 1)[None], past_key_values=cache, use_cache=True)
+        for i in range(reps):
+            t = time.perf_counter()
+            model(torch.tensor([[7]]), position_ids=torch.tensor([[context + i]]), past_key_values=cache, use_cache=True)
+            times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2] * 1000
 
 
 def bench_engine(mc: ModelConfig, max_tokens: int, num_prompts: int, ks: list[int], concurrency: int, out: str | None):
@@ -96,24 +112,39 @@ def bench_engine(mc: ModelConfig, max_tokens: int, num_prompts: int, ks: list[in
         engine_run(models, "none", single[:1], 8, 1, bar)  # warm-up: first-call allocations
         hf_s, hf_out = hf_generate(models.target, single, max_tokens, bar)
         hf_tps = num_prompts * max_tokens / hf_s
-        rows.append(("HF generate, batch 1 (baseline)", hf_tps, 1.0, "", True))
+        rows.append(("HF generate, batch 1 (baseline)", hf_tps, 1.0, "", "", True))
+        best = ("none", 0.0)
         for policy in ["none"] + [f"fixed:{k}" for k in ks]:
-            s, outs, acc = engine_run(models, policy, single, max_tokens, 1, bar)
+            s, outs, acc, tps_step = engine_run(models, policy, single, max_tokens, 1, bar)
             tps = num_prompts * max_tokens / s
-            rows.append((f"engine {policy}, batch 1", tps, tps / hf_tps, f"{acc:.2f}" if policy != "none" else "", outs == hf_out))
-        for policy in ["none", f"fixed:{ks[0]}"] if ks else ["none"]:
-            s, outs, acc = engine_run(models, policy, many, max_tokens, concurrency, bar)
+            best = max(best, (policy, tps), key=lambda x: x[1]) if policy != "none" else best
+            spec = policy != "none"
+            rows.append((f"engine {policy}, batch 1", tps, tps / hf_tps, f"{acc:.2f}" if spec else "",
+                         f"{tps_step:.2f}" if spec else "1.00", outs == hf_out))
+        for policy in ["none", best[0]] if best[0] != "none" else ["none"]:
+            s, outs, acc, tps_step = engine_run(models, policy, many, max_tokens, concurrency, bar)
             tps = concurrency * max_tokens / s
             same = outs[:num_prompts] == hf_out
-            rows.append((f"engine {policy}, {concurrency} concurrent", tps, tps / hf_tps, f"{acc:.2f}" if policy != "none" else "", same))
+            spec = policy != "none"
+            rows.append((f"engine {policy}, {concurrency} concurrent", tps, tps / hf_tps, f"{acc:.2f}" if spec else "",
+                         f"{tps_step:.2f}" if spec else "1.00", same))
+    target_ms = forward_ms(models.target)
+    draft_ms = forward_ms(models.draft) if models.draft is not None else float("nan")
     print(f"\ntarget {models.target_name}, draft {models.draft_name}, {max_tokens} new tokens, "
           f"torch threads {torch.get_num_threads()}")
-    print(f"{'run':<40} {'tokens/s':>9} {'vs HF b1':>9} {'accept':>7} {'same as HF':>10}")
-    for name, tps, ratio, acc, same in rows:
-        print(f"{name:<40} {tps:>9.1f} {ratio:>8.2f}x {acc:>7} {str(same):>10}")
+    print(f"{'run':<40} {'tokens/s':>9} {'vs HF b1':>9} {'accept':>7} {'tok/step':>8} {'same as HF':>10}")
+    for name, tps, ratio, acc, tps_step, same in rows:
+        print(f"{name:<40} {tps:>9.1f} {ratio:>8.2f}x {acc:>7} {tps_step:>8} {str(same):>10}")
+    none_tps = rows[1][1]
+    if best[0] != "none":
+        print(f"best fixed k at batch 1: {best[0]}, {best[1] / none_tps:.2f}x engine none, {best[1] / hf_tps:.2f}x HF generate")
+    print(f"single-token forward at batch 1: target {target_ms:.1f} ms, draft {draft_ms:.1f} ms "
+          f"({draft_ms / target_ms:.1%} of the target)")
     if out:
+        keys = ["run", "tokens_per_s", "ratio_vs_hf_b1", "acceptance", "tokens_per_step", "same_as_hf"]
         with open(out, "w") as f:
-            json.dump([dict(zip(["run", "tokens_per_s", "ratio_vs_hf_b1", "acceptance", "same_as_hf"], r)) for r in rows], f, indent=1)
+            json.dump({"rows": [dict(zip(keys, r)) for r in rows], "target_forward_ms": target_ms,
+                       "draft_forward_ms": draft_ms}, f, indent=1)
     return rows
 
 

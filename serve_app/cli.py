@@ -71,6 +71,20 @@ def _parser() -> argparse.ArgumentParser:
     bh.add_argument("--port", type=int, default=8011)
     bh.set_defaults(func=_cmd_bench_http)
 
+    d = sub.add_parser("distill", help="train a small reduced-vocabulary draft on text the target generates")
+    d.add_argument("--target", default=EMBEDDED)
+    d.add_argument("--out", required=True, help="output directory (re-running with it resumes)")
+    d.add_argument("--layers", type=int, default=2, help="draft decoder layers (initialised from the target's first)")
+    d.add_argument("--tokens", type=int, default=8192, help="size of the reduced vocabulary")
+    d.add_argument("--prompts", type=int, default=600, help="seed prompts to continue")
+    d.add_argument("--max-tokens", type=int, default=128, help="tokens generated per seed prompt")
+    d.add_argument("--epochs", type=int, default=6)
+    d.add_argument("--batch-size", type=int, default=16)
+    d.add_argument("--lr", type=float, default=1e-3)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--dtype", default="float32")
+    d.set_defaults(func=_cmd_distill)
+
     s = sub.add_parser("serve", help="start a local Ray cluster and serve the OpenAI-compatible HTTP endpoint")
     s.add_argument("--config", default=None, help="Serve config YAML (its first application's args); flags below are ignored")
     _model_args(s)
@@ -247,6 +261,19 @@ def _app_config(args) -> dict:
         "max_queue": args.max_queue,
         "profiles_dir": args.profiles_dir,
     }
+
+
+def _cmd_distill(args) -> int:
+    from .distill import distill
+    from .models import load_target
+
+    if args.layers < 1 or args.tokens < 16 or args.prompts < 1 or args.epochs < 1:
+        raise UsageError("--layers, --epochs and --prompts must be >= 1 and --tokens >= 16")
+    target, tokenizer, name = load_target(args.target, args.dtype)
+    meta = distill(target, tokenizer, name, args.out, args.layers, args.tokens, args.prompts, args.max_tokens,
+                   args.epochs, args.batch_size, args.lr, args.seed)
+    print(f"draft written to {args.out} (epoch losses {meta['losses']})")
+    return 0
 
 
 def _cmd_serve(args) -> int:

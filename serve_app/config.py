@@ -21,8 +21,9 @@ class ModelConfig(BaseModel):
     """Target model: `embedded`, a Hugging Face hub id, a local directory, or a path to a .gguf file."""
 
     draft: str | None = None
-    """Draft model: same forms as `target`, `truncated:N` (the target's first N layers sharing its
-    embeddings and head), or `none`. None picks the default for the target (interim: truncated:4)."""
+    """Draft model: same forms as `target`, a directory made by `specserve distill`, `truncated:N`
+    (the target's first N layers sharing its weights), or `none`. None picks the target's default
+    (the committed distilled draft for the embedded target, no draft otherwise)."""
 
     dtype: str = "float32"
     """Weights dtype: float32, bfloat16, float16 or float64."""

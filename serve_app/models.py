@@ -22,8 +22,8 @@ from .config import EMBEDDED, ModelConfig
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-INTERIM_DRAFT = "truncated:4"
-"""Default draft of the embedded target until a distilled one exists: its first 4 layers."""
+EMBEDDED_DRAFT = Path(__file__).parent / "drafts" / "smollm2-135m-instruct"
+"""Default draft of the embedded target: distilled by `specserve distill`, committed in the repo."""
 
 
 @dataclass
@@ -70,17 +70,21 @@ def load_draft(spec: str, target: nn.Module, tokenizer, dtype: str = "float32", 
         return truncated_draft(target, int(n))
     if spec == EMBEDDED:
         spec = str(embedded_gguf())
+    from .draft import is_draft_dir, load_draft_dir
+
+    if is_draft_dir(spec):  # a distilled draft: its own weights + the target's shared ones
+        return load_draft_dir(spec, target)
     draft, draft_tok = _from_pretrained(spec, dtype, device, "draft")
     check_same_vocab(tokenizer, draft_tok, target, draft)
     return draft
 
 
 def draft_spec(cfg: ModelConfig) -> str:
-    """The draft to load: as configured, else the target's default (interim truncated draft for the
-    embedded target, no draft otherwise)."""
+    """The draft to load: as configured, else the target's default (the committed distilled draft
+    for the embedded target, no draft otherwise)."""
     if cfg.draft is not None:
         return cfg.draft
-    return INTERIM_DRAFT if cfg.target == EMBEDDED else "none"
+    return str(EMBEDDED_DRAFT) if cfg.target == EMBEDDED else "none"
 
 
 def load_tokenizer(spec: str):

@@ -9,6 +9,7 @@ iterator; a background task runs steps in a worker thread while any request is i
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
 import time
@@ -295,7 +296,9 @@ class Engine:
 
     def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._loop())
+            # A fresh context: the loop serves every request, so it must not inherit the one that
+            # started it (under Ray Serve, cancelling that request would cancel the loop's worker calls).
+            self._loop_task = asyncio.get_running_loop().create_task(self._loop(), context=contextvars.Context())
 
     async def _loop(self) -> None:
         while self.has_work():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from serve_app.config import EngineConfig, ModelConfig, SamplingParams
-from serve_app.models import INTERIM_DRAFT, embedded_gguf, load_models, truncated_draft
+from serve_app.models import EMBEDDED_DRAFT, embedded_gguf, load_models, truncated_draft
 from serve_app.prompts import encode_chat
 from serve_app.scheduler import Engine
 from serve_app.worker import ModelWorker
@@ -36,18 +36,18 @@ def reference(models, prompts):
     return outs
 
 
-def test_embedded_default_loads_offline_with_interim_draft(models):
+def test_embedded_default_loads_offline_with_the_distilled_draft(models):
     assert embedded_gguf().suffix == ".gguf"
-    assert models.draft_name == INTERIM_DRAFT
-    assert len(models.draft.model.layers) == 4 and len(models.target.model.layers) == 30
-    # the interim draft shares the target's weights: no copy
-    assert models.draft.lm_head.weight.data_ptr() == models.target.lm_head.weight.data_ptr()
-    assert models.draft.model.layers[0] is models.target.model.layers[0]
+    assert models.draft_name == str(EMBEDDED_DRAFT)
+    assert len(models.draft.body.layers) == 2 and len(models.target.model.layers) == 30
+    # embeddings are shared with the target, not copied
+    assert models.draft.body.embed_tokens is models.target.model.embed_tokens
+    assert 0 < models.draft.token_ids.numel() < models.target.config.vocab_size
 
 
-@pytest.mark.parametrize("draft_kind, k", [("interim", 3), ("self", 4)])
+@pytest.mark.parametrize("draft_kind, k", [("distilled", 4), ("truncated", 3), ("self", 4)])
 def test_greedy_identical_to_hf_generate(models, prompts, reference, draft_kind, k):
-    draft = models.draft if draft_kind == "interim" else models.target  # "self": every draft accepted
+    draft = {"distilled": models.draft, "truncated": truncated_draft(models.target, 4), "self": models.target}[draft_kind]
     engine = Engine(
         ModelWorker(models.target, "target"), ModelWorker(draft, "draft"), models.tokenizer,
         EngineConfig(policy=f"fixed:{k}", max_batch_size=2),  # 3 prompts, batch 2: one joins mid-flight
@@ -57,6 +57,8 @@ def test_greedy_identical_to_hf_generate(models, prompts, reference, draft_kind,
     assert [r.output_ids for r in reqs] == reference
     if draft_kind == "self":
         assert all(r.stats.acceptance_rate == 1.0 for r in reqs)
+    if draft_kind == "distilled":  # trained: well above the truncated draft's ~2% acceptance at k = 4
+        assert sum(r.stats.accepted for r in reqs) > 0.08 * sum(r.stats.proposed for r in reqs)
     text = models.tokenizer.decode(reference[0], skip_special_tokens=True)
     assert reqs[0].stream.text == text and "Paris" in text
 

@@ -233,6 +233,27 @@ def test_client_disconnect_frees_the_slot(service):
     assert a["running"] + b["running"] == 0 and a["reserved"] + b["reserved"] == 0
 
 
+def test_concurrent_streams_survive_others_finishing_or_disconnecting(service):
+    """Regression: a request ending (or its client leaving) must not cancel the shared engine loop."""
+    c = service["client"]
+
+    def stream(max_tokens):
+        chunks = list(c.completions.create(model=MODEL, prompt="the cat", max_tokens=max_tokens, temperature=0,
+                                           stream=True, stream_options={"include_usage": True}))
+        return chunks[-1].usage.completion_tokens
+
+    def leave_early(_):
+        body = {"model": MODEL, "prompt": "a dog", "max_tokens": 100, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{service['url']}/v1/completions", json=body, timeout=60) as r:
+            next(r.iter_lines())  # one chunk, then the client disconnects
+
+    with ThreadPoolExecutor(10) as pool:
+        sizes = [3, 60, 5, 60, 8, 60, 2, 60]
+        done = pool.map(stream, sizes)
+        list(pool.map(leave_early, range(2)))
+        assert list(done) == sizes
+
+
 def test_api_key_is_required_when_set(service):
     url = f"{service['url']}/secured/v1/completions"
     body = {"model": MODEL, "prompt": "the cat", "max_tokens": 2}
