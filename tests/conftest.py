@@ -59,6 +59,19 @@ def perturbed(model, scale: float, seed: int = 1):
     return near
 
 
+def save_serving_pair(root) -> None:
+    """root/target and root/draft: tiny models + tokenizer for live-service tests. EOS is made
+    unlikely (random tiny models would often stop at once), so answers run to max_tokens."""
+    tok = make_tokenizer()
+    eos = tok.convert_tokens_to_ids("<eos>")
+    for name, seed, layers in [("target", 0, 2), ("draft", 5, 1)]:
+        model = tiny_llama(len(tok), layers, seed=seed, dtype=torch.float32, eos=eos)
+        with torch.no_grad():
+            model.lm_head.weight[eos] = 0
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+
+
 class IdTokenizer:
     """Decodes ids as space-separated numbers; enough for engine tests on raw token ids."""
 

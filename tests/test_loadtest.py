@@ -287,21 +287,13 @@ def test_unreachable_service_is_exit_status_2(tmp_path):
 def live(tmp_path_factory):
     """specserve on a local Ray cluster: tiny target + draft, a profile whose k falls with the batch."""
     ray = pytest.importorskip("ray")
-    import torch
     from ray import serve
 
-    from conftest import make_tokenizer, tiny_llama
+    from conftest import save_serving_pair
     from deployments.app import build_app
 
     root = tmp_path_factory.mktemp("live")
-    tok = make_tokenizer()
-    eos = tok.convert_tokens_to_ids("<eos>")
-    for name, seed, layers in [("target", 0, 2), ("draft", 5, 1)]:
-        model = tiny_llama(len(tok), layers, seed=seed, dtype=torch.float32, eos=eos)
-        with torch.no_grad():
-            model.lm_head.weight[eos] = 0  # keep answers max_tokens long
-        model.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
+    save_serving_pair(root)
     (root / "profiles").mkdir()
     (root / "profiles" / "smoke-cpu.json").write_text(json.dumps(
         {"gpu_type": "smoke-cpu", "target": "tiny", "draft": "tiny-draft", "best_k": {"1": 4, "4": 2, "8": 1}}))

@@ -14,9 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import torch
 
-from conftest import make_tokenizer, tiny_llama
+from conftest import save_serving_pair
 from serve_app.cli import main as cli_main
 
 ray = pytest.importorskip("ray")
@@ -41,14 +40,7 @@ def write_profile(path, gpu_type, k):
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
-    tok = make_tokenizer()
-    eos = tok.convert_tokens_to_ids("<eos>")
-    for name, seed, layers in [("target", 0, 2), ("draft", 5, 1)]:
-        model = tiny_llama(len(tok), layers, seed=seed, dtype=torch.float32, eos=eos)
-        with torch.no_grad():
-            model.lm_head.weight[eos] = 0  # random tiny models would often stop at once; keep outputs long
-        model.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
+    save_serving_pair(root)
     (root / "profiles").mkdir()
     write_profile(root / "profiles" / "A.json", "A", 1)
     write_profile(root / "profiles" / "B.json", "B", 3)
