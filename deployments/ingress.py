@@ -62,9 +62,10 @@ async def _next(events) -> dict:
     try:
         return await events.__anext__()
     except StopAsyncIteration:
-        return {"error": "engine stream ended early", "token_ids": [], "finished": True, "status": 503}
+        message = "engine stream ended early"
     except Exception as e:
-        return {"error": f"engine failed: {type(e).__name__}", "token_ids": [], "finished": True, "status": 503}
+        message = f"engine failed: {type(e).__name__}"
+    return {"error": message, "text": "", "token_ids": [], "finished": True, "finish_reason": None, "status": 503}
 
 
 class SamplingFields(BaseModel):

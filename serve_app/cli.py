@@ -76,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--out", required=True, help="output directory (re-running with it resumes)")
     d.add_argument("--layers", type=int, default=2, help="draft decoder layers (initialised from the target's first)")
     d.add_argument("--tokens", type=int, default=8192, help="size of the reduced vocabulary")
-    d.add_argument("--prompts", type=int, default=600, help="seed prompts to continue")
+    d.add_argument("--prompts", type=int, default=1200, help="seed prompts to continue")
     d.add_argument("--max-tokens", type=int, default=128, help="tokens generated per seed prompt")
     d.add_argument("--epochs", type=int, default=6)
     d.add_argument("--batch-size", type=int, default=16)

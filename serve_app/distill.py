@@ -38,6 +38,11 @@ TOPICS = [
     "the ocean tides", "mountain climbing", "renewable energy", "the immune system", "libraries",
     "robots", "rivers", "penguins", "democracy", "origami", "trains", "the color of leaves in autumn",
     "a lighthouse keeper", "a lost cat", "a tiny dragon", "a city on Mars", "an old violin", "a talking tree",
+    "the water cycle", "airplanes", "sleep", "healthy breakfast", "the Great Wall of China", "bicycles",
+    "snowflakes", "the history of money", "learning to swim", "the rainbow", "elephants", "video games",
+    "space travel", "a rainy afternoon", "the first day of school", "a haunted house", "pirates",
+    "the desert", "board games", "saving money", "writing a resume", "a job interview", "camping",
+    "the brain", "volunteering", "social media", "ancient Egypt", "knights and castles", "the weather",
 ]
 TEMPLATES = [
     "Explain {t} to a beginner.", "What are the most important facts about {t}?",
@@ -45,6 +50,11 @@ TEMPLATES = [
     "Give me three tips related to {t}.", "Why does {t} matter?", "Describe {t} in simple words.",
     "Write a poem about {t}.", "What is the history of {t}?", "Summarize what people should know about {t}.",
     "Compare {t} with something similar.", "Write a short dialogue between two friends about {t}.",
+    "Tell me a joke about {t}.", "Write a haiku about {t}.", "What would a child ask about {t}?",
+    "Give a step-by-step guide related to {t}.", "Write an email to a friend about {t}.",
+    "What are the pros and cons of {t}?", "Describe {t} in two paragraphs.", "Answer briefly: what is {t}?",
+    "Write a short news report about {t}.", "Give me a fun fact about {t}, then explain it.",
+    "How would you teach {t} to a ten-year-old?", "Write the opening of a fairy tale about {t}.",
 ]
 CODE_TASKS = [
     "reverses a string", "computes the factorial of a number", "checks if a number is prime",
@@ -177,7 +187,7 @@ def train(draft: ReducedVocabDraft, data: list[dict], soft: list[dict], epochs: 
 
 
 def distill(target, tokenizer, target_name: str, out_dir: str, num_layers: int = 2, num_tokens: int = 8192,
-            num_prompts: int = 600, max_tokens: int = 128, epochs: int = 6, batch_size: int = 16,
+            num_prompts: int = 1200, max_tokens: int = 128, epochs: int = 6, batch_size: int = 16,
             lr: float = 1e-3, seed: int = 0, gen_batch_size: int = 32, teacher_top: int = 32) -> dict:
     """The whole pipeline; re-running with the same out_dir resumes where it stopped."""
     out = Path(out_dir)

@@ -305,3 +305,22 @@ def test_dead_worker_gives_errors_then_recovery(service):
     assert ok, "service did not recover"
     assert stats("A")["actors"][0] != victim
 
+
+
+def test_ingress_turns_a_broken_engine_stream_into_an_error_event():
+    import asyncio
+
+    from deployments.ingress import _next
+
+    class Dead:
+        async def __anext__(self):
+            raise ConnectionError("router gone")
+
+    class Ended:
+        async def __anext__(self):
+            raise StopAsyncIteration
+
+    for events, message in ((Dead(), "ConnectionError"), (Ended(), "ended early")):
+        ev = asyncio.run(_next(events))
+        assert ev["finished"] and ev["status"] == 503 and message in ev["error"]
+        assert ev["text"] == "" and ev["token_ids"] == []  # what _collect and _sse read
