@@ -5,7 +5,6 @@ that stand in for two GPU types, each with its own profile (k table). Tiny float
 """
 
 import json
-import os
 import socket
 import subprocess
 import sys
