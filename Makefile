@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.specserve-installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install serve run test test-slow bench bench-http clean
+.PHONY: install serve run test test-slow bench bench-http profile bench-policies clean
 
 # torch is pinned to the local CPU wheel (an unpinned torch pulls GBs of CUDA); on GPU machines
 # install torch for your CUDA first (README, "GPU install"), then `pip install -e .`.
@@ -40,8 +40,14 @@ bench: install  ## engine tokens/s vs Hugging Face generate, printed as ratios
 bench-http: install  ## tokens/s through HTTP vs the offline engine at the same concurrency
 	$(VENV)/bin/specserve bench http
 
+profile: install  ## measure this machine's profile: profiles/<hardware type>.json + heatmap PNG
+	$(VENV)/bin/specserve profile $(if $(OUT),--out $(OUT))
+
+bench-policies: install  ## none, fixed:1..8, lut, adaptive under uniform, time-varying and shifting load (OUT=dir)
+	$(VENV)/bin/specserve bench policies --out $(or $(OUT),out/bench-policies) $(if $(SCALE),--scale $(SCALE))
+
 clean:
-	rm -rf $(VENV) out results .pytest_cache
+	rm -rf $(VENV) out .pytest_cache
 
 .PHONY: loadtest dashboards k8s-profiles
 

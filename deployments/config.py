@@ -42,8 +42,8 @@ class AppConfig(BaseModel):
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     """Target and draft for every group."""
-    engine: EngineConfig = Field(default_factory=lambda: EngineConfig(policy="lut"))
-    """Batching limits and the speculation policy (lut: the profile of each group's hardware)."""
+    engine: EngineConfig = Field(default_factory=lambda: EngineConfig(policy="adaptive"))
+    """Batching limits and the speculation policy (lut or adaptive: the profile of each group's hardware)."""
     groups: list[GroupConfig] = Field(default_factory=lambda: [GroupConfig()], min_length=1)
     """Engine groups behind the one ingress (one per GPU type)."""
     served_model_name: str | None = None

@@ -21,8 +21,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from serve_app.config import EngineConfig, ModelConfig, SamplingParams
-from serve_app.models import draft_spec, load_tokenizer
-from serve_app.policy import make_policy
+from serve_app.models import draft_spec, load_tokenizer, model_names
+from serve_app.policy import AcceptanceEstimate, make_policy, needs_profile
 from serve_app.profiles import Profile
 from serve_app.scheduler import Engine, RequestOutput
 from serve_app.stats import StepStats
@@ -49,10 +49,13 @@ class Router:
         await asyncio.gather(*(a.ping.remote() for a in self.actors))  # ready only once both models loaded
         info = await self.actors[0].call.remote("info")
         self.gpu_type = self.group.gpu_type or info["gpu_type"]
+        self.model_pair = model_names(mc)
+        self.profile_problem: str | None = None
         self.profile_version, self.profile = await self._fetch_profile()
         self.engine = Engine(target, draft, load_tokenizer(mc.target), self.engine_config, self._policy())
         self.engine.on_step.append(self._on_step)
         self.k_tally: Tally = Tally()
+        self.observed = AcceptanceEstimate(0.0)  # live acceptance under any policy (adaptive keeps its own)
         self.max_batch_seen = 0
         self._poll_task: asyncio.Task | None = None
         self._metrics()
@@ -84,11 +87,19 @@ class Router:
         return version, Profile.model_validate(data) if data else None
 
     def _policy(self):
-        spec = self.engine_config.policy
-        if spec == "lut" and self.profile is None:
-            log.warning("no profile for %s yet: decoding without speculation until one is pushed", self.gpu_type)
-            spec = "none"
-        return make_policy(spec, self.profile)
+        """The configured policy; a profile-driven one without a usable profile decodes plainly meanwhile."""
+        spec, self.profile_problem = self.engine_config.policy, None
+        if needs_profile(spec):
+            try:
+                if self.profile is None:
+                    raise ValueError(f"no profile for hardware type {self.gpu_type} yet")
+                self.profile.check_pair(*self.model_pair)
+                return make_policy(spec, self.profile)
+            except ValueError as e:
+                self.profile_problem = str(e)
+                log.warning("policy %s: %s; decoding without speculation until a usable profile is pushed", spec, e)
+                spec = "none"
+        return make_policy(spec)
 
     def _metrics(self) -> None:
         tags = ("gpu_type", "group")
@@ -103,8 +114,11 @@ class Router:
         self.m_batch = metrics.Gauge("specserve_batch_size", "Sequences in the last engine step.", tag_keys=tags)
         self.m_k = metrics.Gauge("specserve_speculation_k", "Speculation length chosen for the last step.", tag_keys=tags)
         self.m_queue = metrics.Gauge("specserve_queue_depth", "Requests waiting for admission.", tag_keys=tags)
+        self.m_estimate = metrics.Gauge("specserve_acceptance_estimate",
+                                        "Live per-token draft acceptance estimate (what the adaptive policy steers by).",
+                                        tag_keys=tags)
         for m in (self.m_requests, self.m_prompt, self.m_generated, self.m_proposed, self.m_accepted,
-                  self.m_ttft, self.m_tpot, self.m_step, self.m_batch, self.m_k, self.m_queue):
+                  self.m_ttft, self.m_tpot, self.m_step, self.m_batch, self.m_k, self.m_queue, self.m_estimate):
             m.set_default_tags({"gpu_type": self.gpu_type, "group": self.group.name})
 
     # ---- serving -----------------------------------------------------------------------------
@@ -174,6 +188,9 @@ class Router:
                 self.m_proposed.inc(st.proposed)
             if st.accepted:
                 self.m_accepted.inc(st.accepted)
+            self.observed.observe(st)
+            if st.k:
+                self.m_estimate.set(self.acceptance_estimate())
 
     # ---- profiles, health, introspection ----------------------------------------------------
     def _ensure_poll(self) -> None:
@@ -205,15 +222,21 @@ class Router:
         if "max_queue" in user_config:
             self.max_queue = int(user_config["max_queue"])
         if "policy" in user_config:
-            if user_config["policy"] != "lut":  # refuse a bad spec before changing anything
+            if not needs_profile(user_config["policy"]):  # refuse a bad spec before changing anything
                 make_policy(user_config["policy"])
             self.engine_config = self.engine_config.model_copy(update={"policy": user_config["policy"]})
             self.engine.policy = self._policy()
 
+    def acceptance_estimate(self) -> float:
+        """The adaptive policy's own estimate (what it steers by), else the router's of the same kind."""
+        return getattr(self.engine.policy, "acceptance_estimate", self.observed.value)
+
     async def stats(self) -> dict:
         return {
             "group": self.group.name, "gpu_type": self.gpu_type, "profile_version": self.profile_version,
-            "policy": self.engine.policy.name, "k_steps": dict(self.k_tally), "max_batch_seen": self.max_batch_seen,
+            "policy": self.engine.policy.name, "profile_problem": self.profile_problem,
+            "acceptance_estimate": self.acceptance_estimate(),
+            "k_steps": dict(self.k_tally), "max_batch_seen": self.max_batch_seen,
             "running": len(self.engine.running), "waiting": len(self.engine.waiting), "reserved": self.engine.reserved,
             "actors": self.actor_names,
         }

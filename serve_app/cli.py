@@ -1,4 +1,4 @@
-"""`specserve` command line: generate, bench.
+"""`specserve` command line: generate, serve, profile, profiles push, distill, bench (engine, http, policies).
 
 Exit codes: 0 all requests succeeded; 1 some requests failed (each reported with its line number,
 the others finished); 2 bad arguments or an unusable file/model (nothing was generated).
@@ -71,6 +71,17 @@ def _parser() -> argparse.ArgumentParser:
     bh.add_argument("--port", type=int, default=8011)
     bh.set_defaults(func=_cmd_bench_http)
 
+    bp = bsub.add_parser("policies", help="the paper's experiments: none, fixed:1..K, lut, adaptive in one run")
+    _model_args(bp)
+    bp.add_argument("--profile", default=None, help="profile JSON (default profiles/<hardware type>.json)")
+    bp.add_argument("--out", default="out/bench-policies", help="results directory (summary.md, results.json, PNGs)")
+    bp.add_argument("--concurrency", default="1,2,4,8,16,32", help="(a) closed-loop concurrencies")
+    bp.add_argument("--max-k", type=int, default=8, help="fixed:1 .. fixed:K are compared")
+    bp.add_argument("--scale", type=float, default=1.0, help="scales request counts and the schedule's length")
+    bp.add_argument("--parts", default="abc", help="which experiments: a uniform, b time-varying, c workload shift")
+    bp.add_argument("--seed", type=int, default=0)
+    bp.set_defaults(func=_cmd_bench_policies)
+
     d = sub.add_parser("distill", help="train a small reduced-vocabulary draft on text the target generates")
     d.add_argument("--target", default=EMBEDDED)
     d.add_argument("--out", required=True, help="output directory (re-running with it resumes)")
@@ -88,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="start a local Ray cluster and serve the OpenAI-compatible HTTP endpoint")
     s.add_argument("--config", default=None, help="Serve config YAML (its first application's args); flags below are ignored")
     _model_args(s)
-    s.add_argument("--policy", default="lut", help="none | fixed:K | lut")
+    s.add_argument("--policy", default="adaptive", help="none | fixed:K | lut | adaptive")
     s.add_argument("--batch-size", type=int, default=8)
     s.add_argument("--max-queue", type=int, default=64)
     s.add_argument("--profiles-dir", default="profiles")
@@ -96,6 +107,16 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics export port of the local Ray node")
     s.set_defaults(func=_cmd_serve)
+
+    pf = sub.add_parser("profile", help="measure latency over batch size x k and acceptance; write this hardware's profile")
+    _model_args(pf)
+    pf.add_argument("--out", default=None, help="profile JSON (default profiles/<hardware type>.json); a PNG heatmap goes beside it")
+    pf.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="comma-separated batch sizes to measure")
+    pf.add_argument("--max-k", type=int, default=8, help="measure k = 0 .. K")
+    pf.add_argument("--reps", type=int, default=5, help="steps per (batch size, k) cell; the median is kept")
+    pf.add_argument("--prompts", type=int, default=16, help="prompts for the acceptance measurement")
+    pf.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt for the acceptance measurement")
+    pf.set_defaults(func=_cmd_profile)
 
     pr = sub.add_parser("profiles", help="manage the running service's speculation profiles")
     prs = pr.add_subparsers(dest="profiles_command", required=True)
@@ -115,17 +136,19 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policy", default="none", help="none | fixed:K")
+    p.add_argument("--policy", default="none", help="none | fixed:K | lut | adaptive")
+    p.add_argument("--profile", default=None, help="profile for lut / adaptive (default profiles/<hardware type>.json)")
     p.add_argument("--batch-size", type=int, default=8, help="most requests decoded together")
     p.add_argument("--max-num-tokens", type=int, default=None, help="KV budget in tokens")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
 
 
 def _configs(args) -> tuple[ModelConfig, EngineConfig]:
-    from .policy import make_policy
+    from .policy import make_policy, needs_profile
 
     try:
-        make_policy(args.policy)  # unknown policies fail before any model loads
+        if not needs_profile(args.policy):
+            make_policy(args.policy)  # unknown policies fail before any model loads
         mc = ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
         extra = {k: v for k, v in (("max_num_tokens", args.max_num_tokens), ("max_model_len", args.max_model_len)) if v}
         ec = EngineConfig(policy=args.policy, max_batch_size=args.batch_size, **extra)
@@ -187,6 +210,9 @@ def cmd_generate(args) -> int:
     except ValidationError as e:
         raise UsageError(_first_error(e)) from None
     jobs = read_jobs(args.prompts, defaults)
+    from .policy import make_policy, needs_profile
+
+    policy = make_policy(ec.policy, find_profile(args.profile, mc) if needs_profile(ec.policy) else None)
     try:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         out_file = open(args.out, "w", encoding="utf-8")
@@ -196,7 +222,7 @@ def cmd_generate(args) -> int:
     from .models import load_models
     from .scheduler import Engine
 
-    engine = Engine.from_models(load_models(mc), ec)
+    engine = Engine.from_models(load_models(mc), ec, policy)
     results = asyncio.run(_generate_all(engine, jobs))
     failed = 0
     with out_file:
@@ -276,6 +302,23 @@ def _cmd_distill(args) -> int:
     return 0
 
 
+def _cmd_profile(args) -> int:
+    from .profiler import run_profile
+
+    try:
+        sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
+    except ValueError:
+        raise UsageError(f"--batch-sizes must be whole numbers, e.g. 1,2,4,8, got {args.batch_sizes!r}") from None
+    if not sizes or sizes[0] < 1 or not 1 <= args.max_k <= 32 or args.reps < 1 or args.prompts < 1 or args.max_tokens < 1:
+        raise UsageError("need batch sizes >= 1, 1 <= --max-k <= 32, and --reps, --prompts, --max-tokens >= 1")
+    mc = ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
+    profile, path = run_profile(mc, args.out, sizes, args.max_k, args.reps, args.prompts, args.max_tokens)
+    print(f"profile for {profile.gpu_type} written to {path} (heatmap {path.with_suffix('.png')})")
+    print(f"acceptance per position {profile.acceptance}, fitted rate {profile.acceptance_rate}")
+    print("best k by batch size: " + ", ".join(f"{b}: {k}" for b, k in profile.best_k.items()))
+    return 0
+
+
 def _cmd_serve(args) -> int:
     from deployments.local import run_forever
 
@@ -301,6 +344,36 @@ def _cmd_profiles_push(args) -> int:
     except ConnectionError as e:
         raise UsageError(f"no running Ray cluster at {args.address}: {e}") from None
     print(f"profile for {profile.gpu_type} is now version {version}; routers pick it up within seconds")
+    return 0
+
+
+def find_profile(path: str | None, mc: ModelConfig):
+    """The profile at `path`, else profiles/<this hardware type>.json; checked against the model pair."""
+    from .models import model_names
+    from .profiles import detect_gpu_type, load_profile
+
+    path = path or f"profiles/{detect_gpu_type()}.json"
+    if not os.path.isfile(path):
+        raise UsageError(f"no profile at {path}: run `specserve profile` on this machine first (or pass --profile)")
+    profile = load_profile(path)
+    profile.check_pair(*model_names(mc))
+    return profile
+
+
+def _cmd_bench_policies(args) -> int:
+    from .bench_policies import bench_policies
+    from .models import load_models
+
+    try:
+        cs = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
+    except ValueError:
+        raise UsageError(f"--concurrency must be whole numbers, got {args.concurrency!r}") from None
+    if not cs or cs[0] < 1 or not 1 <= args.max_k <= 8 or args.scale <= 0 or not set(args.parts) <= set("abc"):
+        raise UsageError("need concurrencies >= 1, 1 <= --max-k <= 8, --scale > 0 and --parts from a, b, c")
+    mc = ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
+    profile = find_profile(args.profile, mc)
+    bench_policies(load_models(mc), profile, args.out, cs, args.max_k, args.scale, args.seed, args.parts)
+    print(open(os.path.join(args.out, "summary.md")).read())
     return 0
 
 

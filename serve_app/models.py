@@ -52,13 +52,25 @@ def embedded_gguf() -> Path:
 
 def load_target(spec: str, dtype: str = "float32", device: str = "cpu") -> tuple[nn.Module, object, str]:
     """(model, tokenizer, display name) for a target spec."""
+    name = display_name(spec)
     if spec == EMBEDDED:
         spec = str(embedded_gguf())
-        name = "SmolLM2-135M-Instruct"
-    else:
-        name = spec.rstrip("/").split("/")[-1]
     model, tokenizer = _from_pretrained(spec, dtype, device, "model")
     return model, tokenizer, name
+
+
+def display_name(spec: str) -> str:
+    """A model spec's name as logs and profiles show it: the same on every machine (no paths)."""
+    if spec == EMBEDDED:
+        return "SmolLM2-135M-Instruct"
+    if spec.startswith("truncated:") or spec == "none":
+        return spec
+    return spec.rstrip("/").split("/")[-1]
+
+
+def model_names(cfg: ModelConfig) -> tuple[str, str]:
+    """(target, draft) display names: the model pair a profile must have been measured with."""
+    return display_name(cfg.target), display_name(draft_spec(cfg))
 
 
 def load_draft(spec: str, target: nn.Module, tokenizer, dtype: str = "float32", device: str = "cpu") -> nn.Module:
@@ -104,7 +116,7 @@ def load_models(cfg: ModelConfig) -> LoadedModels:
     target, tokenizer, target_name = load_target(cfg.target, cfg.dtype, cfg.device)
     spec = draft_spec(cfg)
     draft = None if spec == "none" else load_draft(spec, target, tokenizer, cfg.dtype, cfg.device)
-    return LoadedModels(target, draft, tokenizer, target_name, spec)
+    return LoadedModels(target, draft, tokenizer, target_name, display_name(spec))
 
 
 def truncated_draft(target: nn.Module, n_layers: int) -> nn.Module:

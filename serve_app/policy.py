@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from .profiles import LatencyGrid, expected_tokens
 from .stats import StepStats
 
 
@@ -88,24 +89,116 @@ class LookupTable:
         pass
 
 
-POLICY_FORMS = "none | fixed:K | lut"
+class AcceptanceEstimate:
+    """Live per-token acceptance a, over roughly the last `half_life` draft-token outcomes.
+
+    Each sequence in a step with k > 0 contributes its accepted tokens as successes and, unless it
+    accepted all k, one failure (the rejected token): the likelihood of the geometric model behind
+    `profiles.expected_tokens`. The draft's backlog check (tokens committed while it was not
+    speculating, each one matched or not) adds successes and failures the same way. Older outcomes
+    fade by half every `half_life` new ones; the starting value weighs as much as one half-life.
+    """
+
+    def __init__(self, start: float, half_life: float = 128.0):
+        if not 0.0 <= start <= 1.0:
+            raise ValueError(f"acceptance rate must lie in [0, 1], got {start}")
+        self.half_life = half_life
+        self.accepted, self.trials = start * half_life, half_life
+
+    @property
+    def value(self) -> float:
+        return self.accepted / self.trials if self.trials else 0.0
+
+    def observe(self, stats: StepStats) -> None:
+        if not stats.k or not stats.batch_size:
+            return
+        stops = stats.batch_size - stats.accepted_per_position[stats.k - 1]
+        successes = stats.accepted + stats.backlog_matched
+        n = stats.accepted + stops + stats.backlog_checked
+        decay = 0.5 ** (n / self.half_life)
+        self.accepted = decay * self.accepted + successes
+        self.trials = decay * self.trials + n
+
+
+class Adaptive:
+    """Ours: the k with the highest expected goodput, from the profile's latencies and live acceptance.
+
+    goodput(k) = batch * E[tokens | a, k] / step_ms(batch, k), with E from `profiles.expected_tokens`
+    and step_ms interpolated from the profile's latency grid. The acceptance a starts at the
+    profile's fitted value and then follows what the steps observe: a moving estimate over roughly
+    the last `half_life` draft-token outcomes (`AcceptanceEstimate`), so it tracks a workload
+    whose draft agrees more or less than the profiling prompts did. When no k > 0 beats plain
+    decoding it chooses 0; then every `probe_every`-th step proposes one token anyway: the draft
+    catches up on the tokens it skipped and scores them (StepStats.backlog_*), so the estimate keeps
+    learning and speculation comes back when the workload turns agreeable. A probe costs about one
+    extra verification token per sequence, partly repaid by what it gets accepted.
+    """
+
+    name = "adaptive"
+
+    def __init__(self, grid: LatencyGrid, acceptance_rate: float, half_life: float = 128.0, probe_every: int = 16):
+        self.grid, self.probe_every = grid, probe_every
+        self.estimate = AcceptanceEstimate(acceptance_rate, half_life)
+        self._step_ms: dict[int, list[float]] = {}  # batch size -> step latency per k (cache)
+        self._since_probe = 0
+
+    @property
+    def acceptance_estimate(self) -> float:
+        return self.estimate.value
+
+    def goodput(self, batch_size: int, max_k: int) -> list[float]:
+        """Expected tokens per millisecond for k = 0 .. min(max_k, profiled K)."""
+        ms = self._step_ms.get(batch_size)
+        if ms is None:
+            ms = self._step_ms[batch_size] = self.grid.step_ms(batch_size)
+        a = self.acceptance_estimate
+        return [batch_size * expected_tokens(a, k) / ms[j] for j, k in enumerate(self.grid.ks) if k <= max_k]
+
+    def choose(self, state: BatchState) -> int:
+        if not state.has_draft:
+            return 0
+        g = self.goodput(state.batch_size, state.max_k)
+        k = self.grid.ks[max(range(len(g)), key=lambda j: (g[j], -j))]  # ties: the smaller k
+        if k == 0 and self.probe_every and state.max_k > 0:
+            self._since_probe += 1
+            if self._since_probe >= self.probe_every:
+                self._since_probe = 0
+                return 1
+        return k
+
+    def observe(self, stats: StepStats) -> None:
+        if stats.k:
+            self._since_probe = 0
+            self.estimate.observe(stats)
+
+
+POLICY_FORMS = "none | fixed:K | lut | adaptive"
 
 
 def make_policy(spec: str, profile=None) -> Policy:
     """Build a policy from its spec string; unknown specs raise ValueError up front.
 
-    `profile` (a profiles.Profile) is required by profile-driven policies such as `lut`.
+    `profile` (a profiles.Profile) is required by the profile-driven policies `lut` and `adaptive`.
     """
     spec = spec.strip()
     if spec == "none":
         return NoSpeculation()
-    if spec == "lut":
+    if spec in ("lut", "adaptive"):
         if profile is None:
-            raise ValueError("policy 'lut' needs a profile for this hardware type (see profiles/)")
-        return LookupTable(profile.best_k)
+            raise ValueError(f"policy {spec!r} needs a profile for this hardware type (see profiles/)")
+        if spec == "lut":
+            return LookupTable(profile.best_k)
+        if profile.latency is None or profile.acceptance_rate is None:
+            raise ValueError(f"policy 'adaptive' needs a profile with a latency grid and an acceptance rate; "
+                             f"the one for {profile.gpu_type} has only a best-k table (run `specserve profile`)")
+        return Adaptive(profile.latency, profile.acceptance_rate)
     name, _, arg = spec.partition(":")
     if name == "fixed":
         if not arg.isdigit():
             raise ValueError(f"policy {spec!r}: fixed needs a whole number, e.g. fixed:4")
         return FixedK(int(arg))
     raise ValueError(f"unknown policy {spec!r}: expected {POLICY_FORMS}")
+
+
+def needs_profile(spec: str) -> bool:
+    return spec.strip() in ("lut", "adaptive")

@@ -1,7 +1,15 @@
-"""Speculation profiles per hardware type: schema, load/save, and hardware-type detection.
+"""Speculation profiles per hardware type: schema, load/save, the goodput model, hardware-type detection.
 
-A profile says, for one (hardware type, target, draft), which k to use at each batch size. The
-profiler (its own issue) measures it; routers read it from the shared ProfileStore.
+A profile holds, for one (hardware type, target, draft, dtype), what `specserve profile` measured:
+step latency over batch size x speculation length (draft, target verification, engine overhead),
+acceptance per draft position on a prompt set, and the best-k table derived from both. The `lut`
+policy reads the table; the `adaptive` policy reads the latency grid. Routers get profiles from the
+shared ProfileStore.
+
+The goodput model: with per-token acceptance a, a step of speculation length k generates
+E[tokens | a, k] = 1 + a + a^2 + ... + a^k tokens per sequence (each draft token is accepted only if
+all before it were; one target token - recovered or bonus - always comes), so a step at batch size b
+yields b * E tokens in step_ms(b, k).
 """
 
 from __future__ import annotations
@@ -12,24 +20,81 @@ import re
 from datetime import datetime, timezone
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class LatencyGrid(BaseModel):
+    """Median step latency in milliseconds for every (batch size, k) measured."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    batch_sizes: list[int] = Field(min_length=1)
+    """Batch sizes measured, ascending (1, 2, 4, ... up to the max batch)."""
+    ks: list[int] = Field(min_length=1)
+    """Speculation lengths measured, ascending from 0."""
+    draft_ms: list[list[float]]
+    """draft_ms[i][j]: draft time of one step (propose ks[j] tokens, commit) at batch_sizes[i]."""
+    verify_ms: list[list[float]]
+    """verify_ms[i][j]: the target's verification forward of ks[j] + 1 tokens per sequence."""
+    other_ms: list[list[float]]
+    """other_ms[i][j]: the rest of the step (acceptance, bookkeeping, detokenizing)."""
+
+    @model_validator(mode="after")
+    def _shape(self) -> "LatencyGrid":
+        for name, seq in (("batch_sizes", self.batch_sizes), ("ks", self.ks)):
+            if seq != sorted(set(seq)) or seq[0] < (1 if name == "batch_sizes" else 0):
+                raise ValueError(f"{name} must be ascending, distinct and >= {1 if name == 'batch_sizes' else 0}")
+        if self.ks[0] != 0:
+            raise ValueError("ks must start at 0 (plain decoding is the baseline every k is compared with)")
+        for name in ("draft_ms", "verify_ms", "other_ms"):
+            rows = getattr(self, name)
+            if len(rows) != len(self.batch_sizes):
+                raise ValueError(f"{name} has {len(rows)} rows for {len(self.batch_sizes)} batch sizes "
+                                 f"{self.batch_sizes}: a batch size is missing")
+            for b, row in zip(self.batch_sizes, rows):
+                if len(row) != len(self.ks) or any(not v >= 0 for v in row):
+                    raise ValueError(f"{name} at batch size {b} needs {len(self.ks)} latencies >= 0 (one per k)")
+        return self
+
+    def step_ms(self, batch_size: int) -> list[float]:
+        """Step latency per k at any batch size: linear between measured sizes, extended beyond them."""
+        rows = [[d + v + o for d, v, o in zip(*r)] for r in zip(self.draft_ms, self.verify_ms, self.other_ms)]
+        sizes = self.batch_sizes
+        if len(sizes) == 1:
+            return rows[0]
+        i = next((i for i, s in enumerate(sizes[1:], 1) if batch_size <= s), len(sizes) - 1)
+        (b0, r0), (b1, r1) = (sizes[i - 1], rows[i - 1]), (sizes[i], rows[i])
+        w = (batch_size - b0) / (b1 - b0)
+        if batch_size < b0:  # below the smallest size: flat (latency does not shrink below batch 1)
+            w = 0.0
+        return [max(x0 + w * (x1 - x0), 1e-3) for x0, x1 in zip(r0, r1)]
 
 
 class Profile(BaseModel):
-    """The best speculation length per batch size for one hardware type and model pair."""
+    """What one hardware type does with one model pair: latencies, acceptance and the best-k table."""
 
     model_config = ConfigDict(extra="forbid")
 
     gpu_type: str = Field(min_length=1)
     """Hardware type the numbers were measured on, as `detect_gpu_type()` names it (file stem too)."""
     target: str
-    """Target model the profile is for (display name or spec)."""
+    """Target model the profile is for (`model_names()` display name)."""
     draft: str
-    """Draft model the profile is for."""
+    """Draft model the profile is for (`model_names()` display name)."""
+    dtype: str = "float32"
+    """Weights dtype during profiling."""
     best_k: dict[int, int] = Field(min_length=1)
-    """Batch size -> speculation length that gave the lowest latency per token there."""
+    """Batch size -> speculation length with the lowest latency per generated token there (the paper's table)."""
     created: str = Field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
     """When the profile was measured (UTC, ISO 8601)."""
+    latency: LatencyGrid | None = None
+    """Measured step latencies; needed by `adaptive` (a hand-written `lut` profile may leave it out)."""
+    acceptance: list[float] | None = None
+    """acceptance[i]: fraction of steps in which draft token i (0-based) was accepted, at k = len(acceptance)."""
+    acceptance_rate: float | None = Field(None, ge=0, le=1)
+    """Per-token acceptance a of the goodput model fitted to `acceptance` (adaptive's starting estimate)."""
+    notes: str = ""
+    """How it was measured (prompt set, repetitions, machine), free text."""
 
     @field_validator("best_k")
     @classmethod
@@ -37,6 +102,59 @@ class Profile(BaseModel):
         if any(b < 1 for b in v) or any(k < 0 for k in v.values()):
             raise ValueError("best_k needs batch sizes >= 1 and k >= 0")
         return dict(sorted(v.items()))
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Profile":
+        if self.latency is not None:
+            missing = sorted(set(self.latency.batch_sizes) - set(self.best_k))
+            if missing:
+                raise ValueError(f"best_k lacks batch sizes {missing} that the latency grid measured")
+        if self.acceptance is not None and any(not 0 <= a <= 1 for a in self.acceptance):
+            raise ValueError("acceptance values must lie in [0, 1]")
+        return self
+
+    def check_pair(self, target: str, draft: str) -> None:
+        """Refuse to steer a model pair with another pair's numbers."""
+        if (self.target, self.draft) != (target, draft):
+            raise ValueError(
+                f"profile for {self.gpu_type} was measured with target {self.target!r} and draft {self.draft!r}, "
+                f"but this engine runs target {target!r} with draft {draft!r}: profile this pair (`specserve profile`)"
+            )
+
+
+def expected_tokens(acceptance_rate: float, k: int) -> float:
+    """E[tokens per sequence per step] = 1 + a + ... + a^k (accepted prefix plus one target token)."""
+    return sum(acceptance_rate**i for i in range(k + 1))
+
+
+def fit_acceptance_rate(acceptance: list[float]) -> float:
+    """Per-token acceptance a that best explains acceptance-per-position at k = len(acceptance).
+
+    Maximum likelihood for the geometric model: accepted tokens / (accepted tokens + stops before k),
+    where acceptance[i] = P(more than i accepted); stops before k happen with 1 - acceptance[k-1].
+    """
+    if not acceptance:
+        return 0.0
+    accepted = sum(acceptance)
+    return accepted / (accepted + 1.0 - acceptance[-1]) if accepted + 1.0 - acceptance[-1] > 0 else 1.0
+
+
+def best_k_table(grid: LatencyGrid, acceptance: list[float]) -> dict[int, int]:
+    """Per batch size, the k with the lowest measured latency per generated token (ties: smaller k).
+
+    Uses the measured acceptance per position (E[tokens | k] = 1 + sum of acceptance[:k]); ks beyond
+    the measured positions are left out.
+    """
+    table = {}
+    for i, b in enumerate(grid.batch_sizes):
+        costs = []
+        for j, k in enumerate(grid.ks):
+            if k > len(acceptance):
+                continue
+            ms = grid.draft_ms[i][j] + grid.verify_ms[i][j] + grid.other_ms[i][j]
+            costs.append((ms / (b * (1 + sum(acceptance[:k]))), k))
+        table[b] = min(costs)[1]
+    return table
 
 
 def detect_gpu_type() -> str:
@@ -63,7 +181,13 @@ def load_profile(path: str | Path) -> Profile:
         raise ValueError(f"cannot read profile {path}: {e}") from None
     except ValidationError as e:
         err = e.errors()[0]
-        raise ValueError(f"profile {path}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        where = ".".join(map(str, err["loc"]))
+        raise ValueError(f"profile {path}: {where + ': ' if where else ''}{err['msg']}") from None
+
+
+def save_profile(profile: Profile, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(profile.model_dump_json(indent=1) + "\n")
 
 
 def load_profiles(directory: str | Path) -> dict[str, Profile]:

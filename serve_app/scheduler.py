@@ -149,6 +149,7 @@ class Engine:
                 self.draft.commit(ids, new)
                 st.draft_s += time.perf_counter() - t
             st.batch_size, st.k, st.proposed = len(ids), k, k * len(ids)
+            st.backlog_checked, st.backlog_matched = proposal.backlog
             st.accepted = sum(num_accepted)
             st.accepted_per_position = [sum(n > i for n in num_accepted) for i in range(k)]
             st.generated = sum(len(x) for x in new)

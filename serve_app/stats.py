@@ -33,6 +33,10 @@ class StepStats(Acceptance):
     """Tokens committed this step (accepted + one recovered or bonus per sequence)."""
     prefilled: int = 0
     """Sequences admitted (prefilled) this step."""
+    backlog_checked: int = 0
+    """Committed tokens the draft scored while catching up after steps without speculation."""
+    backlog_matched: int = 0
+    """How many of those its greedy prediction matched: acceptance evidence at no extra forward."""
     draft_s: float = 0.0
     """Seconds in draft forwards (proposals and draft prefill)."""
     verify_s: float = 0.0

@@ -35,6 +35,10 @@ class Proposal:
     tokens: torch.Tensor  # [B, k] long
     probs: torch.Tensor | None = None  # [B, k, V] q (zeros for greedy rows), or [B, k, S] values if sparse
     support: torch.Tensor | None = None  # [B, k, S] long vocabulary ids of the values in probs, if sparse
+    backlog: tuple[int, int] = (0, 0)
+    """(checked, matched): committed tokens the draft scored while catching up this step, and how many
+    its greedy prediction matched (greedy rows only): acceptance evidence from steps that did not
+    speculate, which lets a policy notice when the draft starts agreeing again."""
 
     def compact(self) -> "Proposal":
         """Sparse form when every row's support is below a quarter of the vocabulary."""
@@ -44,7 +48,7 @@ class Proposal:
         if width * 4 >= self.probs.shape[-1]:
             return self
         values, support = self.probs.topk(width, dim=-1)
-        return Proposal(self.tokens, values, support)
+        return Proposal(self.tokens, values, support, self.backlog)
 
     def dense_probs(self, vocab: int) -> torch.Tensor:  # [B, k, V]
         if self.support is None:
@@ -112,13 +116,19 @@ class ModelWorker:
     # ---- draft side --------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, seq_ids: list[str], k: int) -> Proposal:
-        """k autoregressive draft forwards; the first also feeds each sequence's pending tokens."""
+        """k autoregressive draft forwards; the first also feeds (and scores) each sequence's pending tokens."""
         seqs = self._rows(seq_ids)
         lens = [len(s.tokens) for s in seqs]
         fed = [s.tokens[s.kv_len :] for s in seqs]
-        tokens, probs = [], []
+        tokens, probs, backlog = [], [], (0, 0)
+        # After steps without speculation the draft has a backlog of committed tokens to feed; scoring
+        # the last few (about 256 over the batch) costs little and shows how well it would have done.
+        window = min(max(len(f) for f in fed), max(2, 256 // len(seqs)), 32)
         for j in range(k):
-            logits = self._forward(seq_ids, fed, keep=1, starts=[n + j - len(f) for n, f in zip(lens, fed)])
+            logits = self._forward(seq_ids, fed, keep=window if j == 0 else 1,
+                                   starts=[n + j - len(f) for n, f in zip(lens, fed)])
+            if j == 0:
+                backlog = _backlog_agreement(seqs, fed, logits)
             tok, q = self._draw(seqs, logits[:, -1])
             tokens.append(tok)
             probs.append(q)
@@ -128,7 +138,7 @@ class ModelWorker:
         if k == 0:
             return Proposal(torch.zeros((len(seqs), 0), dtype=torch.long))
         any_sampled = any(not s.params.greedy for s in seqs)
-        return Proposal(torch.stack(tokens, 1), torch.stack(probs, 1) if any_sampled else None).compact()
+        return Proposal(torch.stack(tokens, 1), torch.stack(probs, 1) if any_sampled else None, backlog=backlog).compact()
 
     def commit(self, seq_ids: list[str], new_tokens: list[list[int]]) -> None:
         """Append each sequence's accepted drafts + target token; keep only KV that is still valid."""
@@ -247,6 +257,24 @@ class ModelWorker:
         u = torch.cat([torch.rand(1, generator=seqs[b].generator) for b in sampled])
         tokens[sb] = sample(q[sb], u)
         return tokens, q
+
+
+def _backlog_agreement(seqs: list[Sequence], fed: list[list[int]], logits: torch.Tensor) -> tuple[int, int]:
+    """(checked, matched) of the draft's greedy next-token predictions over its pending tokens.
+
+    logits [B, W, V] belong to the last W fed positions (rows are left-padded): the prediction at a
+    pending token is checked against the pending token after it, which the target already committed.
+    """
+    w = logits.shape[1]
+    pred = logits[:, :-1].argmax(-1).tolist()  # [B, W-1]
+    checked = matched = 0
+    for b, (s, f) in enumerate(zip(seqs, fed)):
+        n = min(len(f), w)  # real tokens in the window; the rest is padding
+        if n < 2 or not s.params.greedy:
+            continue
+        checked += n - 1
+        matched += sum(p == t for p, t in zip(pred[b][w - n :], f[len(f) - n + 1 :]))
+    return checked, matched
 
 
 def _role_seed(seed: int | None, role: str) -> int:

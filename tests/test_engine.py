@@ -95,6 +95,38 @@ def test_step_stats_account_for_every_token(tiny_target, tiny_drafts):
     assert seen[0].prefilled == 4
 
 
+@pytest.mark.parametrize("draft_kind", ["same", "random"])
+def test_draft_scores_its_backlog_after_steps_without_speculation(tiny_target, tiny_drafts, ref20, draft_kind):
+    """After k = 0 steps the draft catches up on the committed tokens it skipped and reports how many
+    it would have predicted: all of them for a draft identical to the target, few for a random one."""
+
+    class Script:
+        name = "script"
+        ks = iter([0, 0, 0, 0, 0, 0, 2] + [0] * 5 + [1] * 100)
+
+        def choose(self, state):
+            return next(self.ks)
+
+        def observe(self, stats):
+            pass
+
+    engine = make_engine(tiny_target, tiny_drafts[draft_kind], "none", max_batch_size=4)
+    engine.policy = Script()
+    seen = []
+    engine.on_step.append(seen.append)
+    reqs = [engine.submit(p, SamplingParams(max_tokens=20)) for p in PROMPTS[:3]]
+    engine.run(reqs)
+    assert [r.output_ids for r in reqs] == ref20[:3]  # scoring the backlog changes nothing
+    first = next(s for s in seen if s.k)
+    # 6 plain steps after the prefill step: 7 committed tokens pending per row, 6 checkable each
+    assert first.backlog_checked == 3 * 6
+    if draft_kind == "same":
+        assert first.backlog_matched == first.backlog_checked
+    else:
+        assert first.backlog_matched < first.backlog_checked / 2
+    assert all(s.backlog_checked == 0 for s in seen if not s.k)
+
+
 def test_kv_budget_makes_requests_wait_not_crash(tiny_target, tiny_drafts, ref20):
     # each request reserves 3..30 + 20 + 8 tokens; a 100-token budget fits about two at a time
     engine = make_engine(tiny_target, tiny_drafts["near"], "fixed:2", max_batch_size=8, max_num_tokens=100)

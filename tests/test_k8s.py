@@ -239,7 +239,7 @@ def test_serve_config_validates_with_rays_schema_and_builds_the_app(manifest):
         module, _, attr = app.import_path.partition(":")
         builder = getattr(importlib.import_module(module), attr)
         cfg = AppConfig.model_validate(app.args)
-        assert cfg.profiles_dir and cfg.engine.policy == "lut"
+        assert cfg.profiles_dir and cfg.engine.policy == "adaptive"
         assert isinstance(builder(app.args), Application)
     with pytest.raises(Exception):
         ServeDeploySchema.parse_obj({**raw, "applications": [{**raw["applications"][0], "import_path": "no-colon"}]})
@@ -367,7 +367,7 @@ DASHBOARD = json.loads((K8S / "dashboards" / "specserve.json").read_text())
 EXPORTED = {  # what the Routers export (tests/test_loadtest.py checks this set against a live scrape)
     "ray_specserve_requests_total", "ray_specserve_prompt_tokens_total", "ray_specserve_generated_tokens_total",
     "ray_specserve_proposed_tokens_total", "ray_specserve_accepted_tokens_total", "ray_specserve_batch_size",
-    "ray_specserve_speculation_k", "ray_specserve_queue_depth",
+    "ray_specserve_speculation_k", "ray_specserve_queue_depth", "ray_specserve_acceptance_estimate",
     *(f"ray_specserve_{h}_seconds_{s}" for h in ("ttft", "tpot", "step") for s in ("bucket", "sum", "count")),
 }
 
@@ -399,7 +399,8 @@ def test_dashboard_shows_every_signal_by_gpu_type():
     names = set().union(*(dashboards.promql_metric_names(e) for e in exprs))
     assert names <= EXPORTED, names - EXPORTED
     for signal in ("ttft_seconds_bucket", "tpot_seconds_bucket", "generated_tokens_total", "batch_size",
-                   "speculation_k", "accepted_tokens_total", "proposed_tokens_total", "queue_depth", "requests_total"):
+                   "speculation_k", "accepted_tokens_total", "proposed_tokens_total", "queue_depth", "requests_total",
+                   "acceptance_estimate"):
         assert f"ray_specserve_{signal}" in names, signal
     assert any('status!="200"' in e for e in exprs)  # errors
     variables = {v["name"]: v for v in DASHBOARD["templating"]["list"]}

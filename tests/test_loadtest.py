@@ -296,7 +296,7 @@ def live(tmp_path_factory):
     save_serving_pair(root)
     (root / "profiles").mkdir()
     (root / "profiles" / "smoke-cpu.json").write_text(json.dumps(
-        {"gpu_type": "smoke-cpu", "target": "tiny", "draft": "tiny-draft", "best_k": {"1": 4, "4": 2, "8": 1}}))
+        {"gpu_type": "smoke-cpu", "target": "target", "draft": "draft", "best_k": {"1": 4, "4": 2, "8": 1}}))
     http_port, metrics_port = free_port(), free_port()
     cfg = {
         "model": {"target": str(root / "target"), "draft": str(root / "draft"), "dtype": "float32"},

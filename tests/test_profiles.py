@@ -34,3 +34,75 @@ def test_cpu_hardware_type_names_core_count():
     import os
 
     assert detect_gpu_type() == f"cpu-{os.cpu_count()}core"
+
+
+# ---- measured profiles: latency grid, acceptance, derived table ------------------------------------
+from serve_app.profiles import LatencyGrid, best_k_table, fit_acceptance_rate, save_profile  # noqa: E402
+
+
+def measured(**over) -> dict:
+    grid = {"batch_sizes": [1, 8], "ks": [0, 1, 2],
+            "draft_ms": [[0, 5, 10], [0, 8, 16]], "verify_ms": [[50, 52, 54], [70, 120, 170]],
+            "other_ms": [[1, 1, 1], [1, 1, 1]]}
+    grid.update(over.pop("grid", {}))
+    body = {"gpu_type": "NVIDIA_L4", "target": "t", "draft": "d", "best_k": {"1": 2, "8": 0},
+            "latency": grid, "acceptance": [0.7, 0.5], "acceptance_rate": 0.75}
+    body.update(over)
+    return body
+
+
+def test_measured_profile_round_trips(tmp_path):
+    p = Profile.model_validate(measured())
+    save_profile(p, tmp_path / "NVIDIA_L4.json")
+    back = load_profile(tmp_path / "NVIDIA_L4.json")
+    assert back.model_dump() == p.model_dump() and back.latency.step_ms(1) == [51, 58, 65]
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"grid": {"verify_ms": [[50, 52, 54]]}}, "a batch size is missing"),
+    ({"grid": {"draft_ms": [[0, 5], [0, 8, 16]]}}, "at batch size 1 needs 3 latencies"),
+    ({"grid": {"ks": [1, 2, 3]}}, "ks must start at 0"),
+    ({"grid": {"batch_sizes": [8, 1]}}, "ascending"),
+    ({"grid": {"other_ms": [[1, 1, -1], [1, 1, 1]]}}, ">= 0"),
+    ({"best_k": {"1": 2}}, r"best_k lacks batch sizes \[8\]"),
+    ({"acceptance": [1.5]}, r"\[0, 1\]"),
+])
+def test_malformed_measured_profiles_say_what_is_wrong(tmp_path, over, message):
+    (tmp_path / "p.json").write_text(json.dumps(measured(**over)))
+    with pytest.raises(ValueError, match=message):
+        load_profile(tmp_path / "p.json")
+
+
+def test_a_profile_for_another_model_pair_is_refused():
+    p = Profile.model_validate(measured())
+    p.check_pair("t", "d")
+    with pytest.raises(ValueError, match="measured with target 't' and draft 'd'.*runs target 't' with draft 'other'"):
+        p.check_pair("t", "other")
+
+
+def test_fitted_acceptance_rate_and_best_k_table():
+    assert fit_acceptance_rate([0.5, 0.25, 0.125]) == pytest.approx(0.875 / (0.875 + 0.875))  # geometric a = 0.5
+    assert fit_acceptance_rate([1.0, 1.0]) == 1.0
+    assert fit_acceptance_rate([0.0, 0.0]) == 0.0
+    grid = LatencyGrid.model_validate(measured()["latency"])
+    # batch 1: 51, 58/1.7, 66/2.2 -> k=2 (30 ms/token); batch 8: 71/8, 129/13.6, 187/17.6 -> k=0
+    assert best_k_table(grid, [0.7, 0.5]) == {1: 2, 8: 0}
+    assert best_k_table(grid, [0.7]) == {1: 1, 8: 0}  # ks beyond the measured acceptance are left out
+
+
+def test_committed_profiles_are_usable_for_the_embedded_pair():
+    """profiles/*.json load, are for the default model pair, and drive both profile-driven policies."""
+    from pathlib import Path
+
+    from serve_app.config import ModelConfig
+    from serve_app.models import model_names
+    from serve_app.policy import BatchState, make_policy
+
+    profiles = load_profiles(Path(__file__).resolve().parent.parent / "profiles")
+    assert "cpu-2core" in profiles
+    for p in profiles.values():
+        p.check_pair(*model_names(ModelConfig()))
+        assert p.latency is not None and p.acceptance and p.best_k.keys() == set(p.latency.batch_sizes)
+        for spec in ("lut", "adaptive"):
+            k = make_policy(spec, p).choose(BatchState(batch_size=3, max_k=8))
+            assert 0 <= k <= 8

@@ -31,9 +31,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_profile(path, gpu_type, k):
-    path.write_text(json.dumps({"gpu_type": gpu_type, "target": "tiny", "draft": "tiny-draft", "best_k": {"1": k, "16": k}}))
+def write_profile(path, gpu_type, k, **extra):
+    """A table-only profile for the served pair (named after its directories, as profiles record them)."""
+    body = {"gpu_type": gpu_type, "target": "target", "draft": "draft", "best_k": {"1": k, "16": k}, **extra}
+    path.write_text(json.dumps(body))
     return str(path)
+
+
+def push(path) -> subprocess.CompletedProcess:
+    address = ray.get_runtime_context().gcs_address
+    return subprocess.run([sys.executable, "-m", "serve_app.cli", "profiles", "push", str(path), "--address", address],
+                          capture_output=True, text=True, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -266,10 +274,7 @@ def test_api_key_is_required_when_set(service):
 
 def test_profile_push_changes_k_without_restart(service, tmp_path):
     before = stats("A")
-    profile = write_profile(tmp_path / "A.json", "A", 2)
-    address = ray.get_runtime_context().gcs_address
-    proc = subprocess.run([sys.executable, "-m", "serve_app.cli", "profiles", "push", profile, "--address", address],
-                          capture_output=True, text=True, timeout=120)
+    proc = push(write_profile(tmp_path / "A.json", "A", 2))
     assert proc.returncode == 0, proc.stderr
     assert "now version 2" in proc.stdout
     time.sleep(1.5)  # routers poll every 0.5 s
@@ -279,9 +284,41 @@ def test_profile_push_changes_k_without_restart(service, tmp_path):
     assert after["actors"] == before["actors"]  # same workers: no restart
     bad = tmp_path / "bad.json"
     bad.write_text('{"gpu_type": "A", "best_k": {}}')
-    proc = subprocess.run([sys.executable, "-m", "serve_app.cli", "profiles", "push", str(bad), "--address", address],
-                          capture_output=True, text=True, timeout=120)
+    proc = push(bad)
     assert proc.returncode == 2 and "profile" in proc.stderr
+
+
+def test_profile_for_another_model_pair_is_not_used(service, tmp_path):
+    assert push(write_profile(tmp_path / "A.json", "A", 3, draft="another-draft")).returncode == 0
+    time.sleep(1.5)
+    service["client"].completions.create(model=MODEL, prompt="the dog", max_tokens=12, temperature=0)
+    st = stats("A")
+    assert "measured with target 'target' and draft 'another-draft'" in st["profile_problem"]
+    assert st["policy"] == "none" and st["k_steps"].get(3, 0) == 0  # decodes plainly, never with the wrong table
+
+
+def test_adaptive_policy_live_estimate_in_stats_and_metrics(service, tmp_path):
+    # Verification costs the same at every k here, so any acceptance > 0 makes k = 3 the best.
+    grid = {"batch_sizes": [1, 16], "ks": [0, 1, 2, 3], "draft_ms": [[0, 0, 0, 0]] * 2,
+            "verify_ms": [[10, 10, 10, 10]] * 2, "other_ms": [[0, 0, 0, 0]] * 2}
+    assert push(write_profile(tmp_path / "A.json", "A", 1, latency=grid, acceptance_rate=0.5)).returncode == 0
+    router = serve.get_deployment_handle("Router-A", "specserve")
+    time.sleep(1.5)
+    router.reconfigure.remote({"policy": "adaptive"}).result()
+    try:
+        before = stats("A")["k_steps"].get(3, 0)
+        service["client"].completions.create(model=MODEL, prompt="the cat sat", max_tokens=30, temperature=0)
+        st = stats("A")
+        assert st["policy"] == "adaptive" and st["profile_problem"] is None
+        assert st["k_steps"].get(3, 0) > before
+        assert 0.0 <= st["acceptance_estimate"] < 0.5  # moved from the profile's 0.5 towards what it saw
+        deadline, text = time.time() + 60, ""
+        while time.time() < deadline and 'ray_specserve_acceptance_estimate{' not in text:
+            time.sleep(2)
+            text = httpx.get(service["metrics"]).text
+        assert 'ray_specserve_acceptance_estimate{' in text and 'gpu_type="A"' in text
+    finally:
+        router.reconfigure.remote({"policy": "lut"}).result()
 
 
 def test_dead_worker_gives_errors_then_recovery(service):

@@ -1,0 +1,431 @@
+"""`specserve bench policies`: the paper's experiments, every policy in one run on one machine.
+
+(a) uniform load: closed loop at concurrency 1 .. 32 (the engine's batch cap is the concurrency,
+    so a finished request's slot is refilled at the next step); mean request latency (admission to
+    last token) and tokens/s per policy.
+(b) time-varying traffic: a seeded open-loop arrival schedule swinging between low and high load,
+    replayed in real time; mean request latency (arrival to last token, queueing included).
+(c) workload shift: creative prompts (the draft agrees less), then prompts like those it was distilled on (more),
+    closed loop; lut (fixed table) against adaptive (follows the live acceptance).
+Policies compared: none, fixed:1..K, lut, adaptive, all with the profile of this hardware type.
+Greedy decoding throughout, so every policy produces the same tokens and only time differs.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .bench import BENCH_PROMPTS
+from .config import EngineConfig, SamplingParams
+from .models import LoadedModels
+from .policy import BatchState, make_policy
+from .profiles import Profile
+from .prompts import encode_chat
+from .scheduler import Engine
+from .stats import StepStats
+from .worker import ModelWorker
+
+CREATIVE_PROMPTS = [
+    "Invent a new holiday and describe how people celebrate it.",
+    "Write a short poem about a lonely lighthouse in a storm.",
+    "Describe the taste of a fruit that does not exist.",
+    "Tell a story about a clock that runs backwards.",
+    "Imagine a city built inside a giant tree. What is daily life like?",
+    "Write a letter from a cat to its owner complaining about Mondays.",
+    "Describe a dream you might have after reading about the ocean.",
+    "Create a myth that explains why the stars twinkle.",
+]
+"""Unusual requests, unlike anything the draft was distilled on: the draft agrees less."""
+
+
+def familiar_prompts(n: int) -> list[str]:
+    """Requests the draft was distilled on (its own seed prompts): the draft agrees more, as it does
+    for a deployment whose traffic matches the draft's training data."""
+    from .distill import seed_prompts
+
+    return seed_prompts()[:n]
+
+
+LATENCY_PROMPTS = BENCH_PROMPTS + CREATIVE_PROMPTS
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    max_tokens: int
+    at: float = 0.0
+    """Arrival time in seconds from the start (open loop)."""
+
+
+@dataclass
+class Result:
+    policy: str
+    latencies: list[float]
+    tokens: int
+    seconds: float
+    steps: list[tuple[float, int, int]] = field(default_factory=list)
+    """(seconds since start, batch size, k) of every decode step."""
+    proposed: int = 0
+    accepted: int = 0
+    choose_s: float = 0.0
+    """Time spent in policy.choose."""
+    step_s: float = 0.0
+    """Time spent in engine steps (draft + verify + other)."""
+    per_request: list[tuple[int, int]] = field(default_factory=list)
+    """(proposed, accepted) of every request, in job order."""
+
+    @property
+    def mean_latency(self) -> float:
+        return statistics.fmean(self.latencies)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
+class TimedPolicy:
+    """Wraps a policy to time its choose() (the overhead the design bounds at 1% of a step)."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.seconds = inner, inner.name, 0.0
+
+    def choose(self, state: BatchState) -> int:
+        t = time.perf_counter()
+        k = self.inner.choose(state)
+        self.seconds += time.perf_counter() - t
+        return k
+
+    def observe(self, stats: StepStats) -> None:
+        self.inner.observe(stats)
+
+
+def _run(models: LoadedModels, profile: Profile | None, policy: str, jobs: list[Job], max_batch: int,
+         open_loop: bool, bar: tqdm) -> Result:
+    pad = models.tokenizer.pad_token_id or 0
+    timed = TimedPolicy(make_policy(policy, profile))
+    draft = ModelWorker(models.draft, "draft", pad) if policy != "none" else None
+    engine = Engine(ModelWorker(models.target, "target", pad), draft, models.tokenizer,
+                    EngineConfig(max_batch_size=max_batch, max_k=8), timed)
+    res = Result(policy, [], 0, 0.0)
+    t0 = time.perf_counter()
+
+    def on_step(st: StepStats) -> None:
+        res.step_s += st.draft_s + st.verify_s + st.other_s
+        if st.batch_size:
+            res.steps.append((time.perf_counter() - t0, st.batch_size, st.k))
+            res.proposed += st.proposed
+            res.accepted += st.accepted
+
+    engine.on_step.append(on_step)
+    reqs, i = [], 0
+    while i < len(jobs) or engine.has_work():
+        now = time.perf_counter() - t0
+        while i < len(jobs) and (not open_loop or jobs[i].at <= now):
+            req = engine.submit(jobs[i].prompt, SamplingParams(max_tokens=jobs[i].max_tokens))
+            if open_loop:
+                req.arrival = t0 + jobs[i].at  # latency counts from the scheduled arrival
+            reqs.append(req)
+            i += 1
+        if engine.has_work():
+            for req, out in engine.step():
+                if out.finished:
+                    bar.update(1)
+        else:
+            time.sleep(max(0.0, jobs[i].at - now))
+    res.seconds = time.perf_counter() - t0
+    # Open loop: arrival to last token. Closed loop: admission to last token (a closed-loop client
+    # sends its next request when the previous answer ends, so it never waits behind the others).
+    res.latencies = [r.stats.total_s - (0.0 if open_loop else r.stats.queue_s) for r in reqs]
+    res.tokens = sum(r.stats.generated_tokens for r in reqs)
+    res.per_request = [(r.stats.proposed, r.stats.accepted) for r in reqs]
+    res.choose_s = timed.seconds
+    return res
+
+
+def _chat(tokenizer, texts: list[str]) -> list[list[int]]:
+    return [encode_chat(tokenizer, [{"role": "user", "content": t}]) for t in texts]
+
+
+def uniform_jobs(tokenizer, concurrency: int, rng: random.Random, scale: float) -> list[Job]:
+    n = max(6, int(2 * concurrency * scale))
+    prompts = _chat(tokenizer, [LATENCY_PROMPTS[rng.randrange(len(LATENCY_PROMPTS))] for _ in range(n)])
+    return [Job(p, rng.randint(16, 48)) for p in prompts]
+
+
+def varying_jobs(tokenizer, rng: random.Random, scale: float) -> tuple[list[Job], list[tuple[float, float, float]]]:
+    """Poisson arrivals whose rate swings low -> high -> low ... (the paper's time-varying traffic).
+
+    Returns the jobs and the phases (start s, end s, requests/s)."""
+    phases, t = [], 0.0
+    for rate, length in [(0.4, 10), (5.0, 5), (0.4, 10), (2.0, 6), (0.4, 8), (6.0, 4)]:
+        phases.append((t, t + length * scale, rate))
+        t += length * scale
+    jobs = []
+    for start, end, rate in phases:
+        at = start + rng.expovariate(rate)
+        while at < end:
+            text = LATENCY_PROMPTS[rng.randrange(len(LATENCY_PROMPTS))]
+            jobs.append(Job(_chat(tokenizer, [text])[0], rng.randint(16, 48), at))
+            at += rng.expovariate(rate)
+    if not jobs:
+        raise ValueError("the arrival schedule drew no requests at this --scale: raise it")
+    return jobs, phases
+
+
+def shift_jobs(tokenizer, per_phase: int) -> list[Job]:
+    """Creative prompts, then familiar ones: the draft's agreement shifts mid-run."""
+    out = []
+    for texts in (CREATIVE_PROMPTS, familiar_prompts(per_phase)):
+        for i in range(per_phase):
+            out.append(Job(_chat(tokenizer, [texts[i % len(texts)]])[0], 48))
+    return out
+
+
+def bench_policies(models: LoadedModels, profile: Profile, out_dir: str, concurrencies: list[int], max_k: int = 8,
+                   scale: float = 1.0, seed: int = 0, parts: str = "abc") -> dict:
+    """Run the experiments in `parts`, write results.json, summary.md and PNG plots into out_dir."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    policies = ["none"] + [f"fixed:{k}" for k in range(1, max_k + 1)] + ["lut", "adaptive"]
+    tok = models.tokenizer
+    results: dict = {"gpu_type": profile.gpu_type, "target": profile.target, "draft": profile.draft,
+                     "profile_best_k": profile.best_k, "profile_acceptance_rate": profile.acceptance_rate}
+    rng = random.Random(seed)
+    plan = {c: uniform_jobs(tok, c, rng, scale) for c in concurrencies} if "a" in parts else {}
+    varying, phases = varying_jobs(tok, rng, scale) if "b" in parts else ([], [])
+    shift = shift_jobs(tok, max(4, int(12 * scale))) if "c" in parts else []
+    shift_policies, shift_cs = ["none", "lut", "adaptive"], [1, 4]
+    total = (sum(len(j) for j in plan.values()) + len(varying)) * len(policies) + len(shift) * len(shift_policies) * len(shift_cs)
+    _run(models, profile, "fixed:2", uniform_jobs(tok, 2, random.Random(1), 0.5)[:2], 2, False, tqdm(disable=True))  # warm-up
+    with tqdm(total=total, desc="bench policies", unit="req") as bar:
+        if plan:
+            rows = {}
+            for c, jobs in plan.items():
+                rows[c] = {}
+                for p in policies:
+                    bar.set_postfix_str(f"(a) c={c} {p}")
+                    r = _run(models, profile, p, jobs, c, False, bar)
+                    rows[c][p] = {"mean_latency_s": r.mean_latency, "tokens_per_s": r.tokens_per_s,
+                                  "acceptance": r.acceptance, "mean_k": _mean_k(r)}
+            results["uniform"] = rows
+        if varying:
+            runs = {}
+            for p in policies:
+                bar.set_postfix_str(f"(b) {p}")
+                runs[p] = _run(models, profile, p, varying, 32, True, bar)
+            results["varying"] = {
+                "requests": len(varying), "phases": phases,
+                "policies": {p: {"mean_latency_s": r.mean_latency, "p90_latency_s": _pct(r.latencies, 0.9),
+                                 "tokens_per_s": r.tokens_per_s, "acceptance": r.acceptance, "mean_k": _mean_k(r),
+                                 "choose_us_per_step": 1e6 * r.choose_s / max(len(r.steps), 1),
+                                 "choose_share_of_step": r.choose_s / r.step_s} for p, r in runs.items()},
+            }
+            _plot_varying(out / "varying.png", varying, phases, runs)
+        if shift:
+            half = len(shift) // 2
+            results["shift"], shift_runs = {}, {}
+            for c in shift_cs:
+                runs = shift_runs[c] = {}
+                for p in shift_policies:
+                    bar.set_postfix_str(f"(c) c={c} {p}")
+                    runs[p] = r = _run(models, profile, p, shift, c, False, bar)
+                    results["shift"].setdefault(c, {})[p] = {
+                        "creative_mean_latency_s": statistics.fmean(r.latencies[:half]),
+                        "familiar_mean_latency_s": statistics.fmean(r.latencies[half:]),
+                        "creative_acceptance": _acceptance(r.per_request[:half]),
+                        "familiar_acceptance": _acceptance(r.per_request[half:]),
+                        "mean_latency_s": r.mean_latency, "mean_k": _mean_k(r), "seconds": r.seconds}
+            _plot_shift(out / "shift.png", shift_runs, half)
+    if "uniform" in results:
+        _plot_uniform(out / "uniform.png", results["uniform"], policies)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "summary.md").write_text(summary_markdown(results, policies))
+    return results
+
+
+def _acceptance(pairs: list[tuple[int, int]]) -> float:
+    proposed = sum(p for p, _ in pairs)
+    return sum(a for _, a in pairs) / proposed if proposed else 0.0
+
+
+def _mean_k(r: Result) -> float:
+    return statistics.fmean(k for _, _, k in r.steps) if r.steps else 0.0
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def best_fixed(row: dict, with_none: bool = False) -> tuple[str, float]:
+    """(policy, mean latency) of the best fixed k in a row of results (k >= 1, or k >= 0 with none)."""
+    cands = {p: v["mean_latency_s"] for p, v in row.items() if p.startswith("fixed:") or (with_none and p == "none")}
+    p = min(cands, key=cands.get)
+    return p, cands[p]
+
+
+def summary_markdown(res: dict, policies: list[str]) -> str:
+    lines = [f"# Policies on {res['gpu_type']}: target {res['target']}, draft {res['draft']}", "",
+             f"Profile: best k {res['profile_best_k']}, fitted acceptance rate {res['profile_acceptance_rate']}.",
+             "Mean request latency in seconds (lower is better); ratios are against the best fixed k >= 1 "
+             "and, in brackets, against the best of none and fixed k, measured in this same run.", ""]
+    if "uniform" in res:
+        rows = res["uniform"]
+        lines += ["## (a) Uniform load (closed loop)", "",
+                  "| policy | " + " | ".join(f"c={c}" for c in rows) + " |", "|---|" + "---|" * len(rows)]
+        for p in policies:
+            cells = [f"{rows[c][p]['mean_latency_s']:.2f}s / {rows[c][p]['tokens_per_s']:.0f} tok/s" for c in rows]
+            lines.append(f"| {p} | " + " | ".join(cells) + " |")
+        lines += ["", "| vs best fixed | " + " | ".join(f"c={c}" for c in rows) + " |", "|---|" + "---|" * len(rows)]
+        for p in ("lut", "adaptive"):
+            cells = []
+            for c, row in rows.items():
+                bf, bl = best_fixed(row)
+                bn, bnl = best_fixed(row, with_none=True)
+                v = row[p]["mean_latency_s"]
+                cells.append(f"{v / bl:.3f}x {bf} ({v / bnl:.3f}x {bn})")
+            lines.append(f"| {p} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if "varying" in res:
+        v = res["varying"]
+        bf, bl = best_fixed(v["policies"])
+        bn, bnl = best_fixed(v["policies"], with_none=True)
+        lines += ["## (b) Time-varying traffic (open loop, seeded Poisson arrivals)", "",
+                  f"{v['requests']} requests; phases (start s, end s, requests/s): "
+                  + ", ".join(f"({a:.0f}, {b:.0f}, {r})" for a, b, r in v["phases"]), "",
+                  "| policy | mean latency | p90 latency | tokens/s | acceptance | mean k | vs best fixed k | choose() per step |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for p in policies:
+            x = v["policies"][p]
+            lines.append(f"| {p} | {x['mean_latency_s']:.2f}s | {x['p90_latency_s']:.2f}s | {x['tokens_per_s']:.1f} | "
+                         f"{x['acceptance']:.2f} | {x['mean_k']:.2f} | {x['mean_latency_s'] / bl:.3f}x | "
+                         f"{x['choose_us_per_step']:.0f} us ({100 * x['choose_share_of_step']:.3f}% of run) |")
+        lines += ["", f"Best fixed k >= 1: {bf} ({bl:.2f}s); best of none and fixed: {bn} ({bnl:.2f}s).", ""]
+    if "shift" in res:
+        lines += ["## (c) Workload shift (creative prompts, then familiar ones; closed loop)", "",
+                  "Acceptance is what speculating policies saw in each phase (lut and adaptive may speculate "
+                  "at different k).", "",
+                  "| concurrency | policy | creative | familiar | overall | vs lut | acceptance creative / familiar | mean k |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for c, rows in res["shift"].items():
+            for p, x in rows.items():
+                lines.append(f"| {c} | {p} | {x['creative_mean_latency_s']:.2f}s | {x['familiar_mean_latency_s']:.2f}s | "
+                             f"{x['mean_latency_s']:.2f}s | {x['mean_latency_s'] / rows['lut']['mean_latency_s']:.3f}x | "
+                             f"{x['creative_acceptance']:.2f} / {x['familiar_acceptance']:.2f} | {x['mean_k']:.2f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _style(p: str) -> dict:
+    if p == "adaptive":
+        return {"color": "tab:red", "linewidth": 2.5, "marker": "o"}
+    if p == "lut":
+        return {"color": "tab:blue", "linewidth": 2.5, "marker": "s"}
+    if p == "none":
+        return {"color": "black", "linewidth": 2, "linestyle": "--"}
+    k = int(p.split(":")[1])
+    return {"color": _plt().cm.Greys(0.25 + 0.08 * k), "linewidth": 1}
+
+
+def _plot_uniform(path: Path, rows: dict, policies: list[str]) -> None:
+    plt = _plt()
+    cs = list(rows)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    for p in policies:
+        ax.plot(cs, [rows[c][p]["mean_latency_s"] for c in cs], label=p, **_style(p))
+        best = [min(v["mean_latency_s"] for q, v in rows[c].items() if q.startswith("fixed:") or q == "none") for c in cs]
+        ax2.plot(cs, [rows[c][p]["mean_latency_s"] / b for c, b in zip(cs, best)], label=p, **_style(p))
+    for a in (ax, ax2):
+        a.set_xscale("log", base=2)
+        a.set_xticks(cs, cs)
+        a.set_xlabel("concurrency (requests in flight)")
+        a.grid(alpha=0.3)
+    ax.set_yscale("log")
+    ax.set_ylabel("mean request latency (s)")
+    ax.set_title("(a) uniform load: latency per policy")
+    ax2.set_ylabel("latency / best of none and fixed k at that concurrency")
+    ax2.set_ylim(0.9, min(3.0, ax2.get_ylim()[1]))
+    ax2.axhline(1.03, color="tab:green", linestyle=":", label="+3%")
+    ax2.set_title("relative to the best static choice")
+    ax2.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_varying(path: Path, jobs: list[Job], phases: list, runs: dict[str, Result]) -> None:
+    plt = _plt()
+    fig, (ax0, ax1, ax2) = plt.subplots(3, 1, figsize=(12, 10), sharex=True)
+    for start, end, rate in phases:
+        ax0.axvspan(start, end, alpha=0.15 if rate > 1 else 0.0, color="tab:orange")
+    ax0.hist([j.at for j in jobs], bins=max(10, int(phases[-1][1])), color="tab:orange")
+    ax0.set_ylabel("arrivals per second")
+    ax0.set_title("(b) time-varying traffic: arrivals, request latency, chosen k")
+    fixed = {p: r for p, r in runs.items() if p.startswith("fixed:")}
+    best = min(fixed, key=lambda p: fixed[p].mean_latency)
+    for p in ("none", best, "lut", "adaptive"):
+        r = runs[p]
+        pts = sorted(zip([j.at for j in jobs], r.latencies))
+        ax1.plot([a for a, _ in pts], [lat for _, lat in pts], label=f"{p} (mean {r.mean_latency:.2f}s)", **_style(p))
+    ax1.set_yscale("log")
+    ax1.set_ylabel("request latency (s) by arrival time")
+    ax1.legend(fontsize=8)
+    ax1.grid(alpha=0.3)
+    for p in ("lut", "adaptive"):
+        r = runs[p]
+        ax2.step([t for t, _, _ in r.steps], [k for _, _, k in r.steps], where="post", label=f"{p}: k", alpha=0.8,
+                 color=_style(p)["color"])
+    ax2b = ax2.twinx()
+    r = runs["adaptive"]
+    ax2b.plot([t for t, _, _ in r.steps], [b for _, b, _ in r.steps], color="tab:gray", alpha=0.5, label="batch (adaptive)")
+    ax2b.set_ylabel("batch size", color="tab:gray")
+    ax2.set_ylabel("k chosen per step")
+    ax2.set_xlabel("seconds since start")
+    ax2.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_shift(path: Path, runs_by_c: dict[int, dict[str, Result]], half: int) -> None:
+    plt = _plt()
+    fig, axes = plt.subplots(2, len(runs_by_c), figsize=(6 * len(runs_by_c), 8), squeeze=False)
+    for col, (c, runs) in enumerate(runs_by_c.items()):
+        ax, ax2 = axes[0][col], axes[1][col]
+        for i, (p, r) in enumerate(runs.items()):
+            vals = [statistics.fmean(r.latencies[:half]), statistics.fmean(r.latencies[half:])]
+            ax.bar([x + 0.27 * (i - 1) for x in (0, 1)], vals, width=0.27, label=p, color=_style(p)["color"])
+        ax.set_xticks([0, 1], ["creative (draft agrees less)", "familiar (draft agrees more)"])
+        ax.set_ylabel("mean request latency (s)")
+        ax.set_title(f"(c) workload shift, concurrency {c}")
+        ax.legend()
+        for p in ("lut", "adaptive"):
+            r = runs[p]
+            ax2.step([t for t, _, _ in r.steps], [k for _, _, k in r.steps], where="post", label=p,
+                     color=_style(p)["color"], alpha=0.8)
+        ax2.set_xlabel("seconds since start (creative requests first)")
+        ax2.set_ylabel("k chosen per step")
+        ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

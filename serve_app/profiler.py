@@ -1,0 +1,168 @@
+"""`specserve profile`: measure one hardware type's speculation costs and write its profile.
+
+Runs the real engine (no Ray: GPU boxes with only torch + transformers can profile) in two parts:
+1. Latency grid. For each batch size b, b greedy requests run together while the profiler sets k
+   for every step, cycling k = 0..K so every k sees the same context lengths; each cell is the
+   median over `reps` steps of the draft, verification and other time the engine's step stats report.
+2. Acceptance per position: the engine at fixed:K over a prompt set the distillation never saw.
+From both it derives the best-k table (lowest latency per generated token per batch size) and
+the per-token acceptance rate the adaptive policy starts from, and draws a heatmap.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .bench import bench_prompts
+from .config import EngineConfig, ModelConfig, SamplingParams
+from .models import LoadedModels, load_models, model_names
+from .policy import FixedK
+from .profiles import LatencyGrid, Profile, best_k_table, detect_gpu_type, fit_acceptance_rate, save_profile
+from .scheduler import Engine
+from .stats import StepStats
+from .worker import ModelWorker
+
+
+def _engine(models: LoadedModels, batch: int, max_k: int, kv_tokens: int) -> Engine:
+    pad = models.tokenizer.pad_token_id or 0
+    cfg = EngineConfig(max_batch_size=batch, max_k=max_k, max_num_tokens=kv_tokens)
+    return Engine(ModelWorker(models.target, "target", pad), ModelWorker(models.draft, "draft", pad),
+                  models.tokenizer, cfg, FixedK(0))
+
+
+def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int], reps: int, bar: tqdm) -> LatencyGrid:
+    prompts = bench_prompts(models.tokenizer, max(batch_sizes))
+    rounds = reps + 1  # one warm-up round per batch size, not recorded
+    max_tokens = rounds * sum(k + 1 for k in ks) + 2
+    cells = {name: [[0.0] * len(ks) for _ in batch_sizes] for name in ("draft_ms", "verify_ms", "other_ms")}
+    for i, b in enumerate(batch_sizes):
+        need = max(len(p) for p in prompts[:b]) + max_tokens + max(ks) + 1
+        engine = _engine(models, b, max(ks), b * need)
+        if need > engine.max_model_len:
+            raise ValueError(f"profiling k up to {max(ks)} with {reps} repetitions needs {need} tokens of context; "
+                             f"the model allows {engine.max_model_len}: lower --max-k or --reps")
+        seen: list[StepStats] = []
+        engine.on_step.append(seen.append)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        reqs = [engine.submit(p, params) for p in prompts[:b]]
+        engine.step()  # prefill (and a k = 0 step), not recorded
+        samples: dict[int, list[StepStats]] = {k: [] for k in ks}
+        for r in range(rounds):
+            for k in ks:
+                engine.policy = FixedK(k)
+                engine.step()
+                if r:
+                    samples[k].append(seen[-1])
+                bar.update(1)
+        for j, k in enumerate(ks):
+            for name, attr in (("draft_ms", "draft_s"), ("verify_ms", "verify_s"), ("other_ms", "other_s")):
+                cells[name][i][j] = round(statistics.median(getattr(s, attr) for s in samples[k]) * 1000, 3)
+        for r in reqs:
+            engine.abort(r)
+        engine.step()  # drops them: frees this batch's KV before the next size
+    return LatencyGrid(batch_sizes=batch_sizes, ks=ks, **cells)
+
+
+def measure_acceptance(models: LoadedModels, k: int, num_prompts: int, max_tokens: int, bar: tqdm) -> list[float]:
+    """acceptance[i] = share of (sequence, step) pairs at fixed k where draft token i was accepted."""
+    batch = min(8, num_prompts)
+    prompts = bench_prompts(models.tokenizer, num_prompts)
+    engine = _engine(models, batch, k, batch * (max(len(p) for p in prompts) + max_tokens + k + 1))
+    engine.policy = FixedK(k)
+    accepted, seqs = [0] * k, 0
+
+    def count(st: StepStats) -> None:
+        nonlocal seqs
+        if st.k == k and st.batch_size:
+            seqs += st.batch_size
+            for i, n in enumerate(st.accepted_per_position):
+                accepted[i] += n
+
+    engine.on_step.append(count)
+    params = SamplingParams(max_tokens=max_tokens)
+    for start in range(0, len(prompts), batch):
+        engine.run([engine.submit(p, params) for p in prompts[start:start + batch]])
+        bar.update(len(prompts[start:start + batch]))
+    return [round(a / seqs, 4) for a in accepted] if seqs else [0.0] * k
+
+
+def run_profile(mc: ModelConfig, out: str | None, batch_sizes: list[int], max_k: int, reps: int,
+                num_prompts: int, max_tokens: int) -> tuple[Profile, Path]:
+    models = load_models(mc)
+    if models.draft is None:
+        raise ValueError("profiling needs a draft model (--draft): without one there is no k to choose")
+    gpu_type = detect_gpu_type()
+    out_path = Path(out or f"profiles/{gpu_type}.json")
+    ks = list(range(max_k + 1))
+    torch.manual_seed(0)
+    total = len(batch_sizes) * (reps + 1) * len(ks) + num_prompts
+    with tqdm(total=total, desc=f"profile {gpu_type}", unit="step") as bar:
+        grid = measure_latency(models, batch_sizes, ks, reps, bar)
+        acceptance = measure_acceptance(models, max_k, num_prompts, max_tokens, bar)
+    target, draft = model_names(mc)
+    profile = Profile(
+        gpu_type=gpu_type, target=target, draft=draft, dtype=mc.dtype, latency=grid, acceptance=acceptance,
+        acceptance_rate=round(fit_acceptance_rate(acceptance), 4), best_k=best_k_table(grid, acceptance),
+        notes=(f"specserve profile: greedy, {reps} steps per cell (median) after a warm-up round, torch threads "
+               f"{torch.get_num_threads()}, device {mc.device}; acceptance at k={max_k} over {num_prompts} "
+               f"bench prompts x {max_tokens} tokens"),
+    )
+    save_profile(profile, out_path)
+    plot_profile(profile, out_path.with_suffix(".png"))
+    return profile, out_path
+
+
+def ms_per_token(profile: Profile) -> list[list[float]]:
+    """[batch size][k] latency per generated token with the measured acceptance (the heatmap's numbers)."""
+    g, acc = profile.latency, profile.acceptance or []
+    return [[(g.draft_ms[i][j] + g.verify_ms[i][j] + g.other_ms[i][j]) / (b * (1 + sum(acc[:k])))
+             for j, k in enumerate(g.ks)] for i, b in enumerate(g.batch_sizes)]
+
+
+def plot_profile(profile: Profile, path: str | Path) -> None:
+    """Heatmap of ms per generated token over (batch size, k) with each row's best k boxed, and
+    acceptance per position beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+    from matplotlib.patches import Rectangle
+
+    g = profile.latency
+    grid = ms_per_token(profile)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 0.6 * len(g.batch_sizes) + 3),
+                                  gridspec_kw={"width_ratios": [3, 1.3]})
+    im = ax.imshow(grid, cmap="viridis_r", norm=LogNorm(), aspect="auto")
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            ax.text(j, i, f"{v:.1f}" if v >= 1 else f"{v:.2f}", ha="center", va="center", fontsize=8,
+                    color="white" if v > (min(row) * max(row)) ** 0.5 else "black")
+        j = g.ks.index(profile.best_k[g.batch_sizes[i]])
+        ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2.5))
+    ax.set_xticks(range(len(g.ks)), g.ks)
+    ax.set_yticks(range(len(g.batch_sizes)), g.batch_sizes)
+    ax.set_xlabel("speculation length k (0 = plain decoding)")
+    ax.set_ylabel("batch size")
+    ax.set_title("latency per generated token (ms); red box = best k")
+    fig.colorbar(im, ax=ax, label="ms per token")
+    acc = profile.acceptance or []
+    ax2.bar(range(len(acc)), acc, color="tab:blue", label="measured")
+    a = profile.acceptance_rate or 0.0
+    ax2.plot(range(len(acc)), [a ** (i + 1) for i in range(len(acc))], "o-", color="tab:orange",
+             label=f"model a^(i+1), a={a:.2f}")
+    ax2.set_xticks(range(len(acc)))
+    ax2.set_ylim(0, 1)
+    ax2.set_xlabel("draft position i")
+    ax2.set_ylabel("P(draft token i accepted)")
+    ax2.set_title(f"acceptance; E[tokens/step] at k={len(acc)}: {1 + sum(acc):.2f}")
+    ax2.legend(fontsize=8)
+    fig.suptitle(f"{profile.gpu_type}: target {profile.target}, draft {profile.draft} ({profile.dtype}, {profile.created[:10]})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+

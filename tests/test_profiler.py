@@ -1,0 +1,97 @@
+"""`specserve profile` on tiny saved models, the policies that read its output, and `bench policies`."""
+
+import json
+import os
+import random
+
+import pytest
+
+from serve_app.cli import main
+from serve_app.profiles import load_profile
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tiny_model_dirs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("prof") / "tiny.json"
+    code = main(["profile", "--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"],
+                 "--batch-sizes", "1,2,4", "--max-k", "3", "--reps", "2", "--prompts", "3", "--max-tokens", "8",
+                 "--out", str(out)])
+    assert code == 0
+    return out
+
+
+def test_profiling_smoke_writes_a_valid_profile_and_heatmap(tiny_profile):
+    p = load_profile(tiny_profile)
+    assert p.gpu_type == f"cpu-{os.cpu_count()}core"
+    assert (p.target, p.draft) == ("target", "draft")  # directory names: the same on every machine
+    g = p.latency
+    assert g.batch_sizes == [1, 2, 4] and g.ks == [0, 1, 2, 3]
+    assert all(v > 0 for row in g.verify_ms for v in row)
+    assert all(row[0] == 0 or row[0] < row[-1] for row in g.draft_ms)  # k = 0 runs no draft forward
+    assert len(p.acceptance) == 3 and sorted(p.acceptance, reverse=True) == p.acceptance
+    assert set(p.best_k) == {1, 2, 4} and all(0 <= k <= 3 for k in p.best_k.values())
+    png = tiny_profile.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("policy", ["lut", "adaptive"])
+def test_profile_driven_policies_keep_greedy_output(tmp_path, tiny_model_dirs, tiny_profile, policy):
+    from test_cli import GOOD, run
+
+    _, plain = run(tmp_path, tiny_model_dirs, GOOD, "--max-tokens", "16", "--policy", "none")
+    code, spec = run(tmp_path, tiny_model_dirs, GOOD, "--max-tokens", "16", "--policy", policy,
+                     "--profile", str(tiny_profile), "--batch-size", "2")
+    assert code == 0
+    assert [r["token_ids"] for r in spec] == [r["token_ids"] for r in plain]
+
+
+def test_profile_errors_exit_2(tmp_path, tiny_model_dirs, tiny_profile, capsys):
+    from test_cli import GOOD, run
+
+    code, _ = run(tmp_path, tiny_model_dirs, GOOD, "--policy", "adaptive", "--profile", str(tmp_path / "none.json"))
+    assert code == 2 and "no profile at" in capsys.readouterr().err
+    other = json.loads(tiny_profile.read_text()) | {"draft": "some-other-draft"}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    code, _ = run(tmp_path, tiny_model_dirs, GOOD, "--policy", "lut", "--profile", str(tmp_path / "other.json"))
+    assert code == 2 and "measured with target 'target' and draft 'some-other-draft'" in capsys.readouterr().err
+    broken = json.loads(tiny_profile.read_text())
+    del broken["latency"]["verify_ms"][1]
+    (tmp_path / "broken.json").write_text(json.dumps(broken))
+    code, _ = run(tmp_path, tiny_model_dirs, GOOD, "--policy", "adaptive", "--profile", str(tmp_path / "broken.json"))
+    assert code == 2 and "a batch size is missing" in capsys.readouterr().err
+    assert main(["profile", "--target", tiny_model_dirs["target"], "--batch-sizes", "1,x"]) == 2
+    assert main(["profile", "--target", tiny_model_dirs["target"], "--draft", "none", "--out", str(tmp_path / "p.json")]) == 2
+    assert "needs a draft" in capsys.readouterr().err
+
+
+def test_bench_policies_runs_every_experiment(tmp_path, tiny_model_dirs, tiny_profile):
+    """A small run of (a), (b) and (c) on tiny models: every policy, the markdown and the plots."""
+    from serve_app import bench_policies as bp
+    from serve_app.config import ModelConfig
+    from serve_app.models import load_models
+    from serve_app.profiles import load_profile
+
+    models = load_models(ModelConfig(target=tiny_model_dirs["target"], draft=tiny_model_dirs["draft"]))
+    res = bp.bench_policies(models, load_profile(tiny_profile), str(tmp_path / "r"), [1, 2], max_k=2, scale=0.05)
+    policies = ["none", "fixed:1", "fixed:2", "lut", "adaptive"]
+    assert set(res["uniform"][2]) == set(policies) and set(res["varying"]["policies"]) == set(policies)
+    assert res["varying"]["requests"] > 0 and set(res["shift"][4]) == {"none", "lut", "adaptive"}
+    assert res["uniform"][1]["none"]["mean_k"] == 0 and res["uniform"][1]["fixed:2"]["mean_k"] == 2
+    summary = (tmp_path / "r" / "summary.md").read_text()
+    assert "(a) Uniform load" in summary and "(b) Time-varying" in summary and "(c) Workload shift" in summary
+    for name in ("uniform.png", "varying.png", "shift.png"):
+        assert (tmp_path / "r" / name).stat().st_size > 10_000
+
+
+def test_time_varying_schedule_swings_and_is_seeded(tiny_model_dirs):
+    from serve_app import bench_policies as bp
+    from serve_app.models import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dirs["target"])
+    jobs, phases = bp.varying_jobs(tok, random.Random(3), 1.0)
+    again, _ = bp.varying_jobs(tok, random.Random(3), 1.0)
+    assert [j.at for j in jobs] == [j.at for j in again]
+    rate = [sum(a <= j.at < b for j in jobs) / (b - a) for a, b, _ in phases]
+    low = [r for r, (_, _, want) in zip(rate, phases) if want < 1]
+    high = [r for r, (_, _, want) in zip(rate, phases) if want > 1]
+    assert max(low) < min(high)  # the load really swings
