@@ -193,65 +193,93 @@ def shift_jobs(tokenizer, per_phase: int) -> list[Job]:
 
 
 def bench_policies(models: LoadedModels, profile: Profile, out_dir: str, concurrencies: list[int], max_k: int = 8,
-                   scale: float = 1.0, seed: int = 0, parts: str = "abc") -> dict:
-    """Run the experiments in `parts`, write results.json, summary.md and PNG plots into out_dir."""
+                   scale: float = 1.0, seed: int = 0, parts: str = "abc", repeat: int = 1) -> dict:
+    """Run the experiments in `parts`, write results.json, summary.md and PNG plots into out_dir.
+
+    With repeat > 1 every experiment runs that many rounds, each round running every policy once
+    (interleaved, so slow spells of a shared machine hit all policies alike); figures are medians
+    over the rounds, and the spread of each policy's mean latency is reported beside them.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     policies = ["none"] + [f"fixed:{k}" for k in range(1, max_k + 1)] + ["lut", "adaptive"]
     tok = models.tokenizer
     results: dict = {"gpu_type": profile.gpu_type, "target": profile.target, "draft": profile.draft,
-                     "profile_best_k": profile.best_k, "profile_acceptance_rate": profile.acceptance_rate}
+                     "profile_best_k": profile.best_k, "profile_acceptance_rate": profile.acceptance_rate,
+                     "repeat": repeat}
     rng = random.Random(seed)
     plan = {c: uniform_jobs(tok, c, rng, scale) for c in concurrencies} if "a" in parts else {}
     varying, phases = varying_jobs(tok, rng, scale) if "b" in parts else ([], [])
     shift = shift_jobs(tok, max(4, int(12 * scale))) if "c" in parts else []
     shift_policies, shift_cs = ["none", "lut", "adaptive"], [1, 4]
-    total = (sum(len(j) for j in plan.values()) + len(varying)) * len(policies) + len(shift) * len(shift_policies) * len(shift_cs)
+    total = repeat * ((sum(len(j) for j in plan.values()) + len(varying)) * len(policies)
+                      + len(shift) * len(shift_policies) * len(shift_cs))
     _run(models, profile, "fixed:2", uniform_jobs(tok, 2, random.Random(1), 0.5)[:2], 2, False, tqdm(disable=True))  # warm-up
     with tqdm(total=total, desc="bench policies", unit="req") as bar:
+
+        def rounds(label: str, names: list[str], jobs: list[Job], max_batch: int, open_loop: bool) -> dict[str, list[Result]]:
+            runs: dict[str, list[Result]] = {p: [] for p in names}
+            for i in range(repeat):
+                for p in names:
+                    bar.set_postfix_str(f"{label} {p} ({i + 1}/{repeat})")
+                    runs[p].append(_run(models, profile, p, jobs, max_batch, open_loop, bar))
+            return runs
+
         if plan:
             rows = {}
             for c, jobs in plan.items():
-                rows[c] = {}
-                for p in policies:
-                    bar.set_postfix_str(f"(a) c={c} {p}")
-                    r = _run(models, profile, p, jobs, c, False, bar)
-                    rows[c][p] = {"mean_latency_s": r.mean_latency, "tokens_per_s": r.tokens_per_s,
-                                  "acceptance": r.acceptance, "mean_k": _mean_k(r)}
+                runs = rounds(f"(a) c={c}", policies, jobs, c, False)
+                rows[c] = {p: {"mean_latency_s": _med(rs, lambda r: r.mean_latency), "spread": _spread(rs),
+                               "tokens_per_s": _med(rs, lambda r: r.tokens_per_s),
+                               "acceptance": _med(rs, lambda r: r.acceptance), "mean_k": _med(rs, _mean_k)}
+                           for p, rs in runs.items()}
             results["uniform"] = rows
         if varying:
-            runs = {}
-            for p in policies:
-                bar.set_postfix_str(f"(b) {p}")
-                runs[p] = _run(models, profile, p, varying, 32, True, bar)
+            runs = rounds("(b)", policies, varying, 32, True)
             results["varying"] = {
                 "requests": len(varying), "phases": phases,
-                "policies": {p: {"mean_latency_s": r.mean_latency, "p90_latency_s": _pct(r.latencies, 0.9),
-                                 "tokens_per_s": r.tokens_per_s, "acceptance": r.acceptance, "mean_k": _mean_k(r),
-                                 "choose_us_per_step": 1e6 * r.choose_s / max(len(r.steps), 1),
-                                 "choose_share_of_step": r.choose_s / r.step_s} for p, r in runs.items()},
+                "policies": {p: {"mean_latency_s": _med(rs, lambda r: r.mean_latency), "spread": _spread(rs),
+                                 "p90_latency_s": _med(rs, lambda r: _pct(r.latencies, 0.9)),
+                                 "tokens_per_s": _med(rs, lambda r: r.tokens_per_s),
+                                 "acceptance": _med(rs, lambda r: r.acceptance), "mean_k": _med(rs, _mean_k),
+                                 "choose_us_per_step": _med(rs, lambda r: 1e6 * r.choose_s / max(len(r.steps), 1)),
+                                 "choose_share_of_step": _med(rs, lambda r: r.choose_s / r.step_s)}
+                             for p, rs in runs.items()},
             }
-            _plot_varying(out / "varying.png", varying, phases, runs)
+            _plot_varying(out / "varying.png", varying, phases, {p: _median_run(rs) for p, rs in runs.items()})
         if shift:
             half = len(shift) // 2
             results["shift"], shift_runs = {}, {}
             for c in shift_cs:
-                runs = shift_runs[c] = {}
-                for p in shift_policies:
-                    bar.set_postfix_str(f"(c) c={c} {p}")
-                    runs[p] = r = _run(models, profile, p, shift, c, False, bar)
-                    results["shift"].setdefault(c, {})[p] = {
-                        "creative_mean_latency_s": statistics.fmean(r.latencies[:half]),
-                        "familiar_mean_latency_s": statistics.fmean(r.latencies[half:]),
-                        "creative_acceptance": _acceptance(r.per_request[:half]),
-                        "familiar_acceptance": _acceptance(r.per_request[half:]),
-                        "mean_latency_s": r.mean_latency, "mean_k": _mean_k(r), "seconds": r.seconds}
+                runs = rounds(f"(c) c={c}", shift_policies, shift, c, False)
+                shift_runs[c] = {p: _median_run(rs) for p, rs in runs.items()}
+                results["shift"][c] = {p: {
+                    "creative_mean_latency_s": _med(rs, lambda r: statistics.fmean(r.latencies[:half])),
+                    "familiar_mean_latency_s": _med(rs, lambda r: statistics.fmean(r.latencies[half:])),
+                    "creative_acceptance": _med(rs, lambda r: _acceptance(r.per_request[:half])),
+                    "familiar_acceptance": _med(rs, lambda r: _acceptance(r.per_request[half:])),
+                    "mean_latency_s": _med(rs, lambda r: r.mean_latency), "spread": _spread(rs),
+                    "mean_k": _med(rs, _mean_k)} for p, rs in runs.items()}
             _plot_shift(out / "shift.png", shift_runs, half)
     if "uniform" in results:
         _plot_uniform(out / "uniform.png", results["uniform"], policies)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "summary.md").write_text(summary_markdown(results, policies))
     return results
+
+
+def _med(rs: list[Result], fn) -> float:
+    return statistics.median(fn(r) for r in rs)
+
+
+def _spread(rs: list[Result]) -> float:
+    """(max - min) / median of the rounds' mean latencies: how much the machine moved the figure."""
+    xs = [r.mean_latency for r in rs]
+    return (max(xs) - min(xs)) / statistics.median(xs)
+
+
+def _median_run(rs: list[Result]) -> Result:
+    return sorted(rs, key=lambda r: r.mean_latency)[len(rs) // 2]
 
 
 def _acceptance(pairs: list[tuple[int, int]]) -> float:
@@ -279,13 +307,16 @@ def summary_markdown(res: dict, policies: list[str]) -> str:
     lines = [f"# Policies on {res['gpu_type']}: target {res['target']}, draft {res['draft']}", "",
              f"Profile: best k {res['profile_best_k']}, fitted acceptance rate {res['profile_acceptance_rate']}.",
              "Mean request latency in seconds (lower is better); ratios are against the best fixed k >= 1 "
-             "and, in brackets, against the best of none and fixed k, measured in this same run.", ""]
+             "and, in brackets, against the best of none and fixed k, measured in this same run.",
+             f"Rounds: {res.get('repeat', 1)} (each round runs every policy once, interleaved; figures are medians"
+             " over rounds; spread = (max - min) / median of a policy's mean latency over the rounds).", ""]
     if "uniform" in res:
         rows = res["uniform"]
         lines += ["## (a) Uniform load (closed loop)", "",
                   "| policy | " + " | ".join(f"c={c}" for c in rows) + " |", "|---|" + "---|" * len(rows)]
         for p in policies:
-            cells = [f"{rows[c][p]['mean_latency_s']:.2f}s / {rows[c][p]['tokens_per_s']:.0f} tok/s" for c in rows]
+            cells = [f"{rows[c][p]['mean_latency_s']:.2f}s / {rows[c][p]['tokens_per_s']:.0f} tok/s"
+                     + (f" (±{50 * rows[c][p]['spread']:.0f}%)" if res.get("repeat", 1) > 1 else "") for c in rows]
             lines.append(f"| {p} | " + " | ".join(cells) + " |")
         lines += ["", "| vs best fixed | " + " | ".join(f"c={c}" for c in rows) + " |", "|---|" + "---|" * len(rows)]
         for p in ("lut", "adaptive"):
@@ -304,24 +335,24 @@ def summary_markdown(res: dict, policies: list[str]) -> str:
         lines += ["## (b) Time-varying traffic (open loop, seeded Poisson arrivals)", "",
                   f"{v['requests']} requests; phases (start s, end s, requests/s): "
                   + ", ".join(f"({a:.0f}, {b:.0f}, {r})" for a, b, r in v["phases"]), "",
-                  "| policy | mean latency | p90 latency | tokens/s | acceptance | mean k | vs best fixed k | choose() per step |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| policy | mean latency | spread | p90 latency | tokens/s | acceptance | mean k | vs best fixed k | choose() per step |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for p in policies:
             x = v["policies"][p]
-            lines.append(f"| {p} | {x['mean_latency_s']:.2f}s | {x['p90_latency_s']:.2f}s | {x['tokens_per_s']:.1f} | "
+            lines.append(f"| {p} | {x['mean_latency_s']:.2f}s | {100 * x['spread']:.0f}% | {x['p90_latency_s']:.2f}s | {x['tokens_per_s']:.1f} | "
                          f"{x['acceptance']:.2f} | {x['mean_k']:.2f} | {x['mean_latency_s'] / bl:.3f}x | "
-                         f"{x['choose_us_per_step']:.0f} us ({100 * x['choose_share_of_step']:.3f}% of run) |")
+                         f"{x['choose_us_per_step']:.0f} us ({100 * x['choose_share_of_step']:.3f}% of step time) |")
         lines += ["", f"Best fixed k >= 1: {bf} ({bl:.2f}s); best of none and fixed: {bn} ({bnl:.2f}s).", ""]
     if "shift" in res:
         lines += ["## (c) Workload shift (creative prompts, then familiar ones; closed loop)", "",
                   "Acceptance is what speculating policies saw in each phase (lut and adaptive may speculate "
                   "at different k).", "",
-                  "| concurrency | policy | creative | familiar | overall | vs lut | acceptance creative / familiar | mean k |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| concurrency | policy | creative | familiar | overall | spread | vs lut | acceptance creative / familiar | mean k |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for c, rows in res["shift"].items():
             for p, x in rows.items():
                 lines.append(f"| {c} | {p} | {x['creative_mean_latency_s']:.2f}s | {x['familiar_mean_latency_s']:.2f}s | "
-                             f"{x['mean_latency_s']:.2f}s | {x['mean_latency_s'] / rows['lut']['mean_latency_s']:.3f}x | "
+                             f"{x['mean_latency_s']:.2f}s | {100 * x['spread']:.0f}% | {x['mean_latency_s'] / rows['lut']['mean_latency_s']:.3f}x | "
                              f"{x['creative_acceptance']:.2f} / {x['familiar_acceptance']:.2f} | {x['mean_k']:.2f} |")
         lines.append("")
     return "\n".join(lines)
@@ -418,7 +449,7 @@ def _plot_shift(path: Path, runs_by_c: dict[int, dict[str, Result]], half: int) 
         ax.set_xticks([0, 1], ["creative (draft agrees less)", "familiar (draft agrees more)"])
         ax.set_ylabel("mean request latency (s)")
         ax.set_title(f"(c) workload shift, concurrency {c}")
-        ax.legend()
+        ax.legend(loc="lower center", framealpha=0.9)
         for p in ("lut", "adaptive"):
             r = runs[p]
             ax2.step([t for t, _, _ in r.steps], [k for _, _, k in r.steps], where="post", label=p,

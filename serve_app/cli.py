@@ -79,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--max-k", type=int, default=8, help="fixed:1 .. fixed:K are compared")
     bp.add_argument("--scale", type=float, default=1.0, help="scales request counts and the schedule's length")
     bp.add_argument("--parts", default="abc", help="which experiments: a uniform, b time-varying, c workload shift")
+    bp.add_argument("--repeat", type=int, default=1, help="rounds of every experiment (policies interleaved); medians")
     bp.add_argument("--seed", type=int, default=0)
     bp.set_defaults(func=_cmd_bench_policies)
 
@@ -368,11 +369,12 @@ def _cmd_bench_policies(args) -> int:
         cs = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
     except ValueError:
         raise UsageError(f"--concurrency must be whole numbers, got {args.concurrency!r}") from None
-    if not cs or cs[0] < 1 or not 1 <= args.max_k <= 8 or args.scale <= 0 or not set(args.parts) <= set("abc"):
-        raise UsageError("need concurrencies >= 1, 1 <= --max-k <= 8, --scale > 0 and --parts from a, b, c")
+    if (not cs or cs[0] < 1 or not 1 <= args.max_k <= 8 or args.scale <= 0 or not set(args.parts) <= set("abc")
+            or args.repeat < 1):
+        raise UsageError("need concurrencies >= 1, 1 <= --max-k <= 8, --scale > 0, --repeat >= 1 and --parts from a, b, c")
     mc = ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
     profile = find_profile(args.profile, mc)
-    bench_policies(load_models(mc), profile, args.out, cs, args.max_k, args.scale, args.seed, args.parts)
+    bench_policies(load_models(mc), profile, args.out, cs, args.max_k, args.scale, args.seed, args.parts, args.repeat)
     print(open(os.path.join(args.out, "summary.md")).read())
     return 0
 

@@ -21,7 +21,8 @@ from .bench import bench_prompts
 from .config import EngineConfig, ModelConfig, SamplingParams
 from .models import LoadedModels, load_models, model_names
 from .policy import FixedK
-from .profiles import LatencyGrid, Profile, best_k_table, detect_gpu_type, fit_acceptance_rate, save_profile
+from .profiles import (LatencyGrid, Profile, best_k_table, detect_gpu_type, fit_acceptance_rate, ms_per_token,
+                       save_profile)
 from .scheduler import Engine
 from .stats import StepStats
 from .worker import ModelWorker
@@ -116,13 +117,6 @@ def run_profile(mc: ModelConfig, out: str | None, batch_sizes: list[int], max_k:
     return profile, out_path
 
 
-def ms_per_token(profile: Profile) -> list[list[float]]:
-    """[batch size][k] latency per generated token with the measured acceptance (the heatmap's numbers)."""
-    g, acc = profile.latency, profile.acceptance or []
-    return [[(g.draft_ms[i][j] + g.verify_ms[i][j] + g.other_ms[i][j]) / (b * (1 + sum(acc[:k])))
-             for j, k in enumerate(g.ks)] for i, b in enumerate(g.batch_sizes)]
-
-
 def plot_profile(profile: Profile, path: str | Path) -> None:
     """Heatmap of ms per generated token over (batch size, k) with each row's best k boxed, and
     acceptance per position beside it."""
@@ -134,7 +128,7 @@ def plot_profile(profile: Profile, path: str | Path) -> None:
     from matplotlib.patches import Rectangle
 
     g = profile.latency
-    grid = ms_per_token(profile)
+    grid = ms_per_token(g, profile.acceptance or [])
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 0.6 * len(g.batch_sizes) + 3),
                                   gridspec_kw={"width_ratios": [3, 1.3]})
     im = ax.imshow(grid, cmap="viridis_r", norm=LogNorm(), aspect="auto")

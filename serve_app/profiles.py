@@ -56,10 +56,13 @@ class LatencyGrid(BaseModel):
                     raise ValueError(f"{name} at batch size {b} needs {len(self.ks)} latencies >= 0 (one per k)")
         return self
 
+    def total_ms(self) -> list[list[float]]:
+        """[batch size][k] whole-step latency: draft + verification + the rest."""
+        return [[d + v + o for d, v, o in zip(*r)] for r in zip(self.draft_ms, self.verify_ms, self.other_ms)]
+
     def step_ms(self, batch_size: int) -> list[float]:
         """Step latency per k at any batch size: linear between measured sizes, extended beyond them."""
-        rows = [[d + v + o for d, v, o in zip(*r)] for r in zip(self.draft_ms, self.verify_ms, self.other_ms)]
-        sizes = self.batch_sizes
+        rows, sizes = self.total_ms(), self.batch_sizes
         if len(sizes) == 1:
             return rows[0]
         i = next((i for i, s in enumerate(sizes[1:], 1) if batch_size <= s), len(sizes) - 1)
@@ -139,22 +142,16 @@ def fit_acceptance_rate(acceptance: list[float]) -> float:
     return accepted / (accepted + 1.0 - acceptance[-1]) if accepted + 1.0 - acceptance[-1] > 0 else 1.0
 
 
-def best_k_table(grid: LatencyGrid, acceptance: list[float]) -> dict[int, int]:
-    """Per batch size, the k with the lowest measured latency per generated token (ties: smaller k).
+def ms_per_token(grid: LatencyGrid, acceptance: list[float]) -> list[list[float]]:
+    """[batch size][k] latency per generated token with the measured acceptance per position
+    (E[tokens | k] = 1 + sum of acceptance[:k]); inf for k beyond the measured positions."""
+    return [[ms / (b * (1 + sum(acceptance[:k]))) if k <= len(acceptance) else float("inf")
+             for k, ms in zip(grid.ks, row)] for b, row in zip(grid.batch_sizes, grid.total_ms())]
 
-    Uses the measured acceptance per position (E[tokens | k] = 1 + sum of acceptance[:k]); ks beyond
-    the measured positions are left out.
-    """
-    table = {}
-    for i, b in enumerate(grid.batch_sizes):
-        costs = []
-        for j, k in enumerate(grid.ks):
-            if k > len(acceptance):
-                continue
-            ms = grid.draft_ms[i][j] + grid.verify_ms[i][j] + grid.other_ms[i][j]
-            costs.append((ms / (b * (1 + sum(acceptance[:k]))), k))
-        table[b] = min(costs)[1]
-    return table
+
+def best_k_table(grid: LatencyGrid, acceptance: list[float]) -> dict[int, int]:
+    """Per batch size, the k with the lowest measured latency per generated token (ties: smaller k)."""
+    return {b: min(zip(row, grid.ks))[1] for b, row in zip(grid.batch_sizes, ms_per_token(grid, acceptance))}
 
 
 def detect_gpu_type() -> str:

@@ -81,6 +81,10 @@ def test_bench_policies_runs_every_experiment(tmp_path, tiny_model_dirs, tiny_pr
     assert "(a) Uniform load" in summary and "(b) Time-varying" in summary and "(c) Workload shift" in summary
     for name in ("uniform.png", "varying.png", "shift.png"):
         assert (tmp_path / "r" / name).stat().st_size > 10_000
+    again = bp.bench_policies(models, load_profile(tiny_profile), str(tmp_path / "r2"), [1], max_k=2, scale=0.05,
+                              parts="ac", repeat=2)  # rounds: medians and spreads
+    assert again["repeat"] == 2 and "spread" in again["shift"][1]["adaptive"] and "varying" not in again
+    assert "Rounds: 2" in (tmp_path / "r2" / "summary.md").read_text()
 
 
 def test_time_varying_schedule_swings_and_is_seeded(tiny_model_dirs):
