@@ -7,6 +7,7 @@ HF batch-1 sequential decoding. Outputs are also checked token-for-token against
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -17,7 +18,6 @@ from .config import EngineConfig, ModelConfig, SamplingParams
 from .models import load_models
 from .prompts import encode_chat
 from .scheduler import Engine
-from .worker import ModelWorker
 
 BENCH_PROMPTS = [
     "Explain why the sky is blue in two short paragraphs.",
@@ -66,10 +66,9 @@ def engine_run(models, policy: str, prompts: list[list[int]], max_tokens: int, b
 
     Returns (seconds, outputs, acceptance rate, tokens per decode step). Fresh workers per run.
     """
-    pad = models.tokenizer.pad_token_id or 0
-    draft = ModelWorker(models.draft, "draft", pad) if policy != "none" and models.draft is not None else None
-    cfg = EngineConfig(policy=policy, max_batch_size=max(batch, 1), max_k=8)
-    engine = Engine(ModelWorker(models.target, "target", pad), draft, models.tokenizer, cfg)
+    if policy == "none":
+        models = dataclasses.replace(models, draft=None)
+    engine = Engine.from_models(models, EngineConfig(policy=policy, max_batch_size=max(batch, 1), max_k=8))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     groups = [[p] for p in prompts] if batch == 1 else [prompts]
     total, outs, proposed, accepted, steps = 0.0, [], 0, 0, 0

@@ -13,6 +13,7 @@ Greedy decoding throughout, so every policy produces the same tokens and only ti
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import statistics
@@ -30,7 +31,6 @@ from .profiles import Profile
 from .prompts import encode_chat
 from .scheduler import Engine
 from .stats import StepStats
-from .worker import ModelWorker
 
 CREATIVE_PROMPTS = [
     "Invent a new holiday and describe how people celebrate it.",
@@ -112,11 +112,10 @@ class TimedPolicy:
 
 def _run(models: LoadedModels, profile: Profile | None, policy: str, jobs: list[Job], max_batch: int,
          open_loop: bool, bar: tqdm) -> Result:
-    pad = models.tokenizer.pad_token_id or 0
     timed = TimedPolicy(make_policy(policy, profile))
-    draft = ModelWorker(models.draft, "draft", pad) if policy != "none" else None
-    engine = Engine(ModelWorker(models.target, "target", pad), draft, models.tokenizer,
-                    EngineConfig(max_batch_size=max_batch, max_k=8), timed)
+    if policy == "none":
+        models = dataclasses.replace(models, draft=None)
+    engine = Engine.from_models(models, EngineConfig(max_batch_size=max_batch, max_k=8), timed)
     res = Result(policy, [], 0, 0.0)
     t0 = time.perf_counter()
 

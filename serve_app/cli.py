@@ -264,10 +264,18 @@ async def _generate_all(engine, jobs: list[dict]) -> list[dict]:
     return await asyncio.gather(*(one(j) for j in jobs))
 
 
+def int_list(text: str, flag: str) -> list[int]:
+    """Comma-separated whole numbers ("1,2,4"), or a UsageError naming the flag."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} must be comma-separated whole numbers, e.g. 1,2,4, got {text!r}") from None
+
+
 def _cmd_bench_engine(args) -> int:
     from .bench import bench_engine
 
-    ks = [int(k) for k in args.ks.split(",") if k.strip()]
+    ks = int_list(args.ks, "--ks")
     mc = ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
     bench_engine(mc, args.max_tokens, args.num_prompts, ks, args.concurrency, args.out)
     return 0
@@ -306,10 +314,7 @@ def _cmd_distill(args) -> int:
 def _cmd_profile(args) -> int:
     from .profiler import run_profile
 
-    try:
-        sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
-    except ValueError:
-        raise UsageError(f"--batch-sizes must be whole numbers, e.g. 1,2,4,8, got {args.batch_sizes!r}") from None
+    sizes = sorted(set(int_list(args.batch_sizes, "--batch-sizes")))
     if not sizes or sizes[0] < 1 or not 1 <= args.max_k <= 32 or args.reps < 1 or args.prompts < 1 or args.max_tokens < 1:
         raise UsageError("need batch sizes >= 1, 1 <= --max-k <= 32, and --reps, --prompts, --max-tokens >= 1")
     mc = ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
@@ -365,10 +370,7 @@ def _cmd_bench_policies(args) -> int:
     from .bench_policies import bench_policies
     from .models import load_models
 
-    try:
-        cs = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
-    except ValueError:
-        raise UsageError(f"--concurrency must be whole numbers, got {args.concurrency!r}") from None
+    cs = sorted(set(int_list(args.concurrency, "--concurrency")))
     if (not cs or cs[0] < 1 or not 1 <= args.max_k <= 8 or args.scale <= 0 or not set(args.parts) <= set("abc")
             or args.repeat < 1):
         raise UsageError("need concurrencies >= 1, 1 <= --max-k <= 8, --scale > 0, --repeat >= 1 and --parts from a, b, c")

@@ -25,14 +25,10 @@ from .profiles import (LatencyGrid, Profile, best_k_table, detect_gpu_type, fit_
                        save_profile)
 from .scheduler import Engine
 from .stats import StepStats
-from .worker import ModelWorker
 
 
 def _engine(models: LoadedModels, batch: int, max_k: int, kv_tokens: int) -> Engine:
-    pad = models.tokenizer.pad_token_id or 0
-    cfg = EngineConfig(max_batch_size=batch, max_k=max_k, max_num_tokens=kv_tokens)
-    return Engine(ModelWorker(models.target, "target", pad), ModelWorker(models.draft, "draft", pad),
-                  models.tokenizer, cfg, FixedK(0))
+    return Engine.from_models(models, EngineConfig(max_batch_size=batch, max_k=max_k, max_num_tokens=kv_tokens), FixedK(0))
 
 
 def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int], reps: int, bar: tqdm) -> LatencyGrid:
