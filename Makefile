@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.specserve-installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install serve run test test-slow bench bench-http profile bench-policies clean
+.PHONY: install serve run test test-slow bench bench-http profile bench-policies distill clean
 
 # torch is pinned to the local CPU wheel (an unpinned torch pulls GBs of CUDA); on GPU machines
 # install torch for your CUDA first (README, "GPU install"), then `pip install -e .`.
@@ -45,6 +45,9 @@ profile: install  ## measure this machine's profile: profiles/<hardware type>.js
 
 bench-policies: install  ## none, fixed:1..8, lut, adaptive under uniform, time-varying and shifting load (OUT=dir)
 	$(VENV)/bin/specserve bench policies --out $(or $(OUT),out/bench-policies) $(if $(SCALE),--scale $(SCALE))
+
+distill: install  ## distil a draft for the embedded target into OUT (default out/draft; re-running resumes)
+	$(VENV)/bin/specserve distill --target embedded --out $(or $(OUT),out/draft)
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

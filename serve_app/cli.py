@@ -88,9 +88,11 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--out", required=True, help="output directory (re-running with it resumes)")
     d.add_argument("--layers", type=int, default=2, help="draft decoder layers (initialised from the target's first)")
     d.add_argument("--tokens", type=int, default=8192, help="size of the reduced vocabulary")
-    d.add_argument("--prompts", type=int, default=1200, help="seed prompts to continue")
+    d.add_argument("--prompts", type=int, default=2400, help="seed prompts to continue (greedily, then sampled)")
+    d.add_argument("--samples", type=int, default=1, help="sampled continuations per prompt, besides the greedy one")
+    d.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled continuations")
     d.add_argument("--max-tokens", type=int, default=128, help="tokens generated per seed prompt")
-    d.add_argument("--epochs", type=int, default=6)
+    d.add_argument("--epochs", type=int, default=5)
     d.add_argument("--batch-size", type=int, default=16)
     d.add_argument("--lr", type=float, default=1e-3)
     d.add_argument("--seed", type=int, default=0)
@@ -302,11 +304,13 @@ def _cmd_distill(args) -> int:
     from .distill import distill
     from .models import load_target
 
-    if args.layers < 1 or args.tokens < 16 or args.prompts < 1 or args.epochs < 1:
-        raise UsageError("--layers, --epochs and --prompts must be >= 1 and --tokens >= 16")
+    if args.layers < 1 or args.tokens < 16 or args.prompts < 1 or args.epochs < 1 or args.samples < 0:
+        raise UsageError("--layers, --epochs and --prompts must be >= 1, --samples >= 0 and --tokens >= 16")
+    if args.samples and not 0 < args.temperature <= 2:
+        raise UsageError("--temperature must be in (0, 2]")
     target, tokenizer, name = load_target(args.target, args.dtype)
-    meta = distill(target, tokenizer, name, args.out, args.layers, args.tokens, args.prompts, args.max_tokens,
-                   args.epochs, args.batch_size, args.lr, args.seed)
+    meta = distill(target, tokenizer, name, args.out, args.layers, args.tokens, args.prompts, args.samples,
+                   args.temperature, args.max_tokens, args.epochs, args.batch_size, args.lr, args.seed)
     print(f"draft written to {args.out} (epoch losses {meta['losses']})")
     return 0
 

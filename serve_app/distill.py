@@ -1,14 +1,14 @@
 """`specserve distill`: train a small draft for a target on text the target itself generates.
 
-1. Seed prompts written for this project (chat, explanations, lists, code, stories) are greedily
-   continued by the target through the batched engine.
-2. One teacher pass stores the target's top-K next-token distribution at every position of that
-   text (prompt positions too). Soft targets carry far more signal per token than the argmax alone
-   and keep a small draft from over-fitting a small corpus.
+1. Seed prompts written for this project (chat, explanations, lists, code, stories) are continued by
+   the target: greedily, and `samples` more times sampled (more varied contexts).
+2. The forwards that generate the text also give the labels: the target's top-K next-token
+   distribution at every position (prompt positions too). Soft targets carry far more signal per
+   token than the argmax alone and keep a small draft from over-fitting a small corpus.
 3. The token set is the N most frequent tokens of the outputs (plus EOS).
 4. A ReducedVocabDraft (first layers of the target, shared embeddings, reduced head) is trained with
    cross-entropy against the teacher distributions restricted to the token set.
-Everything is seeded and resumable: data and checkpoints live in the output directory.
+Everything is seeded and resumable: data chunks and checkpoints live in the output directory.
 """
 
 from __future__ import annotations
@@ -23,11 +23,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .config import EngineConfig, SamplingParams
 from .draft import ReducedVocabDraft, save_draft
 from .prompts import encode_chat
-from .scheduler import Engine
-from .worker import ModelWorker
 
 TOPICS = [
     "volcanoes", "the moon landing", "photosynthesis", "black holes", "the French revolution", "honey bees",
@@ -66,28 +63,108 @@ CODE_TEMPLATES = ["Write a Python function that {t}.", "Show a short JavaScript 
                   "How do I write code that {t}? Explain briefly."]
 
 
+# A second, larger set: new topics and templates (and every mix with the first set). Appended after
+# the first set so seed_prompts()[:1932] stays what earlier drafts were trained on.
+MORE_TOPICS = [
+    "the Roman alphabet", "tea ceremonies", "glaciers", "the periodic table", "owls", "the stock exchange",
+    "a broken clock", "the wheel", "hurricanes", "coral reefs", "the violin", "the Renaissance", "wolves",
+    "first aid", "electricity", "magnets", "a small bakery", "a lonely astronaut", "the Amazon river",
+    "city parks", "football", "the piano", "mushrooms", "typewriters", "the postal service", "kites",
+    "a secret garden", "the Vikings", "solar panels", "fossils", "a quiet village", "wind turbines",
+    "the moon", "octopuses", "a treasure map", "bridges", "the speed of light", "fire fighters", "yoga",
+    "the Arctic", "butterflies", "cooking pasta", "a road trip", "the ancient Greeks", "taxes", "music theory",
+    "a birthday party", "the night sky", "spiders", "the history of writing", "a magic school", "clouds",
+    "learning a new skill", "teamwork", "a lost key", "the supermarket", "the microscope", "sharks",
+    "composting", "a snowy mountain cabin", "tigers", "the telephone", "deep sea creatures", "lighthouses",
+]
+MORE_TEMPLATES = [
+    "Can you help me understand {t}?", "I am curious about {t}. Where should I start?",
+    "Write a limerick about {t}.", "Explain {t} in exactly three sentences.",
+    "What are common misconceptions about {t}?", "Write a short speech about {t}.",
+    "Create a quiz with three questions about {t}.", "What would the world look like without {t}?",
+    "Write a diary entry about {t}.", "Give me a list of ten words related to {t}.",
+    "Explain {t} as if I were a scientist.", "Write a short product description inspired by {t}.",
+]
+MORE_CODE_TASKS = [
+    "adds two numbers", "counts the vowels in a string", "returns the even numbers in a list",
+    "finds the average of a list", "checks whether a year is a leap year", "flattens a nested list",
+    "capitalizes every word in a sentence", "computes the sum of the digits of a number",
+    "converts a list of strings to integers", "finds the second largest number in a list",
+    "prints a multiplication table", "counts how often each word appears in a text",
+]
+MORE_CODE_TEMPLATES = ["Write a function in Python that {t}, with a docstring.", "Write a C function that {t}.",
+                       "Explain line by line a Python function that {t}."]
+
+
 def seed_prompts(seed: int = 0) -> list[str]:
-    """Every template x topic, shuffled reproducibly."""
-    prompts = [tpl.format(t=t) for tpl in TEMPLATES for t in TOPICS]
-    prompts += [tpl.format(t=t) for tpl in CODE_TEMPLATES for t in CODE_TASKS]
-    random.Random(seed).shuffle(prompts)
-    return prompts
+    """Every template x topic, shuffled reproducibly: the first set, then the second."""
+    first = [tpl.format(t=t) for tpl in TEMPLATES for t in TOPICS]
+    first += [tpl.format(t=t) for tpl in CODE_TEMPLATES for t in CODE_TASKS]
+    random.Random(seed).shuffle(first)
+    second = [tpl.format(t=t) for tpl in TEMPLATES + MORE_TEMPLATES for t in TOPICS + MORE_TOPICS]
+    second += [tpl.format(t=t) for tpl in CODE_TEMPLATES + MORE_CODE_TEMPLATES for t in CODE_TASKS + MORE_CODE_TASKS]
+    seen = set(first)
+    second = [p for p in dict.fromkeys(second) if p not in seen]
+    random.Random(seed + 1).shuffle(second)
+    return first + second
 
 
-def generate_data(target, tokenizer, prompts: list[str], max_tokens: int, batch_size: int) -> list[dict]:
-    """Greedy continuations by the target: [{'ids': prompt + output, 'start': len(prompt)}]."""
-    engine = Engine(ModelWorker(target, "target", tokenizer.pad_token_id or 0), None, tokenizer,
-                    EngineConfig(policy="none", max_batch_size=batch_size, max_k=0))
-    encoded = [encode_chat(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
-    reqs = [engine.submit(ids, SamplingParams(max_tokens=max_tokens)) for ids in encoded]
-    with tqdm(total=len(reqs), desc="generating data", unit="prompt") as bar:
-        done = 0
-        while engine.has_work():
-            engine.step()
-            now = sum(r.finished for r in reqs)
-            bar.update(now - done)
-            done = now
-    return [{"ids": r.prompt_ids + r.output_ids, "start": len(r.prompt_ids)} for r in reqs]
+def sampler_seed(seed: int, pass_no: int, chunk: int) -> int:
+    return (seed * 1_000_003 + pass_no * 10_007 + chunk) % (2**63)
+
+
+@torch.inference_mode()
+def continue_prompts(target, prompts: list[list[int]], max_tokens: int, top: int, temperature: float,
+                     pad_id: int, eos_id: int | None, seed: int = 0) -> list[dict]:
+    """Continue a batch of prompts with the target (greedy, or sampled at `temperature`) and keep the
+    target's top-`top` next-token distribution at every position, prompt included, from the same
+    forwards: no second teacher pass. Returns [{'ids', 'start', 'idx' [n, top], 'p' [n, top]}], n = len(ids) - 1.
+    """
+    lens = [len(p) for p in prompts]
+    width = max(lens)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # left padding
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):] = torch.tensor(p)
+        mask[b, width - len(p):] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    gen = torch.Generator().manual_seed(seed)
+    out = target(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    p_all, idx_all = out.logits[:, :-1].float().softmax(-1).topk(top, dim=-1)  # [B, width - 1, top]
+    rows = [[(idx_all[b, width - n:], p_all[b, width - n:])] for b, n in enumerate(lens)]  # n - 1 prompt rows
+    outputs: list[list[int]] = [[] for _ in prompts]
+    live = list(range(len(prompts)))  # the prompt each batch row belongs to
+    done = torch.zeros(len(prompts), dtype=torch.bool)  # per batch row
+    logits = out.logits[:, -1].float()  # [rows, V]
+    for step in range(max_tokens):
+        p, idx = logits.softmax(-1).topk(top, dim=-1)  # the teacher's distribution for this position
+        if temperature > 0:
+            nxt = torch.multinomial((logits / temperature).softmax(-1), 1, generator=gen).squeeze(1)
+        else:
+            nxt = logits.argmax(-1)
+        for j, b in enumerate(live):
+            if not done[j]:
+                rows[b].append((idx[j : j + 1], p[j : j + 1]))
+                outputs[b].append(int(nxt[j]))
+                done[j] = eos_id is not None and int(nxt[j]) == eos_id
+        if bool(done.all()) or step == max_tokens - 1:
+            break
+        if int(done.sum()) * 8 >= len(live):  # drop finished rows once they are an eighth of the batch
+            keep = (~done).nonzero().squeeze(1)
+            out.past_key_values.batch_select_indices(keep)
+            mask, pos, nxt, done = mask[keep], pos[keep], nxt[keep], done[keep]
+            live = [live[j] for j in keep.tolist()]
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        pos = pos[:, -1:] + 1
+        out = target(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
+                     past_key_values=out.past_key_values, use_cache=True)
+        logits = out.logits[:, -1].float()
+    result = []
+    for b, prompt in enumerate(prompts):
+        idx = torch.cat([r[0] for r in rows[b]]).int()
+        p = torch.cat([r[1] for r in rows[b]]).half()
+        result.append({"ids": prompt + outputs[b], "start": len(prompt), "idx": idx, "p": p})
+    return result
 
 
 def token_set(data: list[dict], n: int, always: set[int]) -> torch.Tensor:
@@ -96,39 +173,27 @@ def token_set(data: list[dict], n: int, always: set[int]) -> torch.Tensor:
     return torch.tensor(sorted(set(chosen) | always), dtype=torch.long)
 
 
-@torch.inference_mode()
-def teacher_targets(target, data: list[dict], top: int, batch_size: int = 8) -> list[dict]:
-    """The target's top-`top` next-token distribution at every position: [{'idx', 'p'}] per sequence."""
-    out = []
-    for i in tqdm(range(0, len(data), batch_size), desc="teacher pass", unit="batch"):
-        chunk = data[i : i + batch_size]
-        width = max(len(d["ids"]) for d in chunk)
-        ids = torch.zeros((len(chunk), width), dtype=torch.long)
-        for b, d in enumerate(chunk):
-            ids[b, : len(d["ids"])] = torch.tensor(d["ids"])
-        probs = target(input_ids=ids).logits.float().softmax(-1)  # right padding: causal, so harmless
-        p, idx = probs.topk(top, dim=-1)
-        for b, d in enumerate(chunk):
-            n = len(d["ids"]) - 1  # position t predicts token t + 1
-            out.append({"idx": idx[b, :n].int(), "p": p[b, :n].half()})
-    return out
-
-
-def batches(data: list[dict], soft: list[dict], batch_size: int, rng: random.Random):
+def batches(data: list[dict], batch_size: int, rng: random.Random):
     """(input_ids [B, T], teacher ids [B, T, K], teacher probs [B, T, K]); padding has zero mass."""
     order = list(range(len(data)))
     rng.shuffle(order)
-    top = soft[0]["idx"].shape[1]
-    for i in range(0, len(order), batch_size):
-        chunk = order[i : i + batch_size]
-        width = max(len(data[j]["ids"]) for j in chunk) - 1
+    # Sort within windows of 32 batches so a batch holds sequences of similar length (little padding);
+    # the windows and the order of the batches stay random.
+    window = batch_size * 32
+    order = [j for w in range(0, len(order), window) for j in sorted(order[w : w + window], key=lambda j: len(data[j]["ids"]))]
+    groups = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    rng.shuffle(groups)
+    top = data[0]["idx"].shape[1]
+    for group in groups:
+        chunk = [data[j] for j in group]
+        width = max(len(d["ids"]) for d in chunk) - 1
         ids = torch.zeros((len(chunk), width), dtype=torch.long)
         t_idx = torch.zeros((len(chunk), width, top), dtype=torch.long)
         t_p = torch.zeros((len(chunk), width, top))
-        for b, j in enumerate(chunk):
-            n = len(data[j]["ids"]) - 1
-            ids[b, :n] = torch.tensor(data[j]["ids"][:-1])
-            t_idx[b, :n], t_p[b, :n] = soft[j]["idx"].long(), soft[j]["p"].float()
+        for b, d in enumerate(chunk):
+            n = len(d["ids"]) - 1
+            ids[b, :n] = torch.tensor(d["ids"][:-1])
+            t_idx[b, :n], t_p[b, :n] = d["idx"].long(), d["p"].float()
         yield ids, t_idx, t_p
 
 
@@ -144,7 +209,7 @@ def soft_loss(reduced_logits: torch.Tensor, t_idx: torch.Tensor, t_p: torch.Tens
     return per_pos[valid].mean()
 
 
-def train(draft: ReducedVocabDraft, data: list[dict], soft: list[dict], epochs: int, batch_size: int, lr: float,
+def train(draft: ReducedVocabDraft, data: list[dict], epochs: int, batch_size: int, lr: float,
           seed: int, ckpt: Path | None = None) -> list[float]:
     """Soft cross-entropy over the reduced vocabulary; returns the mean loss of each epoch."""
     rng = random.Random(seed)
@@ -167,7 +232,7 @@ def train(draft: ReducedVocabDraft, data: list[dict], soft: list[dict], epochs: 
     with tqdm(total=total, initial=start_epoch * steps_per_epoch, desc="training draft", unit="step") as bar:
         for epoch in range(start_epoch, epochs):
             running, n = 0.0, 0
-            for ids, t_idx, t_p in batches(data, soft, batch_size, rng):
+            for ids, t_idx, t_p in batches(data, batch_size, rng):
                 hidden = draft.body(input_ids=ids).last_hidden_state
                 loss = soft_loss(draft.reduced_logits(hidden), t_idx, t_p, to_reduced)
                 opt.zero_grad()
@@ -186,35 +251,58 @@ def train(draft: ReducedVocabDraft, data: list[dict], soft: list[dict], epochs: 
     return losses
 
 
+def make_data(target, tokenizer, prompts: list[str], samples: int, temperature: float, max_tokens: int,
+              top: int, batch_size: int, seed: int, data_dir: Path) -> list[dict]:
+    """A greedy continuation of every prompt, then `samples` sampled ones (more varied contexts, each
+    still labelled with the target's own distribution). Chunks of `batch_size` prompts are saved as
+    they finish, so an interrupted run resumes, and a run with more prompts reuses the first ones."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    settings = {"max_tokens": max_tokens, "top": top, "batch_size": batch_size, "temperature": temperature, "seed": seed}
+    saved = data_dir / "settings.json"
+    if saved.exists() and json.loads(saved.read_text()) != settings:
+        raise ValueError(f"{data_dir} holds data made with {saved.read_text()}; use those settings or another --out")
+    saved.write_text(json.dumps(settings))
+    encoded = [encode_chat(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    jobs = [(s, i) for s in range(1 + samples) for i in range(0, len(encoded), batch_size)]
+    data = []
+    with tqdm(total=len(jobs), desc="generating data", unit="chunk") as bar:
+        for s, i in jobs:
+            f = data_dir / f"pass{s}-{i // batch_size:05d}.pt"
+            chunk_prompts = encoded[i : i + batch_size]
+            chunk = torch.load(f) if f.exists() else None
+            if chunk is None or [d["ids"][: d["start"]] for d in chunk] != chunk_prompts:
+                chunk = continue_prompts(target, chunk_prompts, max_tokens, top, temperature if s else 0.0,
+                                         pad, tokenizer.eos_token_id, sampler_seed(seed, s, i))
+                torch.save(chunk, f)
+            data += chunk
+            bar.update(1)
+            bar.set_postfix(tokens=sum(len(d["ids"]) - d["start"] for d in data))
+    return data
+
+
 def distill(target, tokenizer, target_name: str, out_dir: str, num_layers: int = 2, num_tokens: int = 8192,
-            num_prompts: int = 1200, max_tokens: int = 128, epochs: int = 6, batch_size: int = 16,
-            lr: float = 1e-3, seed: int = 0, gen_batch_size: int = 32, teacher_top: int = 32) -> dict:
+            num_prompts: int | None = None, samples: int = 1, temperature: float = 0.8, max_tokens: int = 128,
+            epochs: int = 5, batch_size: int = 16, lr: float = 1e-3, seed: int = 0, gen_batch_size: int = 64,
+            teacher_top: int = 32) -> dict:
     """The whole pipeline; re-running with the same out_dir resumes where it stopped."""
     out = Path(out_dir)
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    data_file = work / "data.json"
-    if data_file.exists():
-        data = json.loads(data_file.read_text())
-    else:
-        prompts = seed_prompts(seed)[:num_prompts]
-        t = time.perf_counter()
-        data = generate_data(target, tokenizer, prompts, max_tokens, gen_batch_size)
-        data_file.write_text(json.dumps(data))
-        print(f"generated {sum(len(d['ids']) - d['start'] for d in data)} tokens in {time.perf_counter() - t:.0f}s")
-    soft_file = work / f"teacher_top{teacher_top}.pt"
-    if soft_file.exists():
-        soft = torch.load(soft_file)
-    else:
-        soft = teacher_targets(target, data, teacher_top)
-        torch.save(soft, soft_file)
+    prompts = seed_prompts(seed)[:num_prompts]
+    t = time.perf_counter()
+    data = make_data(target, tokenizer, prompts, samples, temperature, max_tokens, teacher_top, gen_batch_size,
+                     seed, work / "data")
+    n_out = sum(len(d["ids"]) - d["start"] for d in data)
+    print(f"data: {len(data)} sequences, {n_out} generated tokens ({time.perf_counter() - t:.0f}s)")
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     tokens = token_set(data, num_tokens, eos)
     draft = ReducedVocabDraft(target, num_layers, tokens)
-    losses = train(draft, data, soft, epochs, batch_size, lr, seed, ckpt=work / "checkpoint.pt")
-    meta = {"target": target_name, "init_layers": list(range(num_layers)), "num_prompts": len(data),
-            "max_tokens": max_tokens, "epochs": epochs, "lr": lr, "seed": seed, "teacher_top": teacher_top,
+    losses = train(draft, data, epochs, batch_size, lr, seed, ckpt=work / "checkpoint.pt")
+    meta = {"target": target_name, "init_layers": list(range(num_layers)), "num_prompts": len(prompts),
+            "samples": samples, "temperature": temperature, "generated_tokens": n_out, "max_tokens": max_tokens,
+            "epochs": epochs, "lr": lr, "seed": seed, "teacher_top": teacher_top,
             "losses": [round(x, 4) for x in losses]}
     save_draft(draft, target, out, meta)
     return meta

@@ -103,13 +103,25 @@ def save_draft(draft: ReducedVocabDraft, target: nn.Module, out_dir: str | Path,
     state = {k: v.detach().to(torch.float16 if v.is_floating_point() else v.dtype).contiguous()
              for k, v in draft.own_state().items()}
     save_file(state, str(out / WEIGHTS_FILE))
+    # The weights' hash names this draft in profiles, so a re-distilled draft in the same directory
+    # is not steered by a profile measured with its predecessor.
+    digest = hashlib.sha256((out / WEIGHTS_FILE).read_bytes()).hexdigest()
     config = {"format": "specserve-reduced-vocab-draft/1", "num_layers": len(draft.body.layers),
-              "num_tokens": int(draft.token_ids.numel()), "target_fingerprint": target_fingerprint(target), **meta}
+              "num_tokens": int(draft.token_ids.numel()), "target_fingerprint": target_fingerprint(target),
+              "weights_sha256": digest, **meta}
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=1))
 
 
 def is_draft_dir(path: str | Path) -> bool:
     return (Path(path) / CONFIG_FILE).is_file()
+
+
+def draft_id(path: str | Path) -> str | None:
+    """The first 8 hex digits of a draft directory's weights hash (None if unreadable or absent)."""
+    try:
+        return str(json.loads((Path(path) / CONFIG_FILE).read_text())["weights_sha256"])[:8]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def load_draft_dir(path: str | Path, target: nn.Module) -> ReducedVocabDraft:

@@ -65,7 +65,11 @@ def display_name(spec: str) -> str:
         return "SmolLM2-135M-Instruct"
     if spec.startswith("truncated:") or spec == "none":
         return spec
-    return spec.rstrip("/").split("/")[-1]
+    name = spec.rstrip("/").split("/")[-1]
+    from .draft import draft_id
+
+    ident = draft_id(spec)  # distilled drafts: name@weights-hash, so a re-distilled one is told apart
+    return f"{name}@{ident}" if ident else name
 
 
 def model_names(cfg: ModelConfig) -> tuple[str, str]:

@@ -7,7 +7,7 @@ import torch
 
 from conftest import IdTokenizer, make_tokenizer, tiny_llama
 from serve_app.config import EngineConfig, SamplingParams
-from serve_app.distill import distill, seed_prompts
+from serve_app.distill import continue_prompts, distill, make_data, seed_prompts
 from serve_app.draft import CONFIG_FILE, WEIGHTS_FILE, load_draft_dir
 from serve_app.models import load_draft
 from serve_app.scheduler import Engine
@@ -40,6 +40,38 @@ def test_rerun_resumes_instead_of_starting_over(distilled):
     again = distill(target, tok, "tiny", str(out), num_layers=1, num_tokens=12, num_prompts=48, max_tokens=24,
                     epochs=4, batch_size=8, lr=3e-3, seed=0, gen_batch_size=16, teacher_top=8)
     assert again["losses"] == meta["losses"]  # data and checkpoint were reused
+    assert meta["samples"] == 1 and meta["generated_tokens"] > 48 * 2  # greedy and sampled continuations
+    with pytest.raises(ValueError, match="use those settings"):  # data made otherwise is never mixed in
+        make_data(target, tok, seed_prompts(0)[:48], 1, 0.8, 12, 8, 16, 0, out / "work" / "data")
+
+
+def test_generation_labels_every_position_with_the_targets_own_distribution():
+    tok = make_tokenizer()
+    target = tiny_llama(len(tok), 2, seed=1)  # float64: padded batch and single forwards agree
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
+    greedy = continue_prompts(target, prompts, 10, 4, 0.0, 0, None)
+    for p, d in zip(prompts, greedy):
+        ids = torch.tensor([p])
+        ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)
+        assert d["ids"] == ref[0].tolist() and d["start"] == len(p)
+        # The labels gathered while generating are what one teacher forward over the text gives.
+        full = target(torch.tensor([d["ids"]])).logits[0, :-1].softmax(-1).topk(4)
+        assert d["idx"].shape == (len(d["ids"]) - 1, 4)
+        assert torch.equal(d["idx"].long(), full.indices)
+        assert torch.allclose(d["p"].double(), full.values, atol=2e-3)
+    # Stops each prompt at the end-of-sequence token (kept as its last token); finished rows leave
+    # the batch while the others go on unchanged.
+    eos = greedy[0]["ids"][len(prompts[0]) + 2]
+    stopped = continue_prompts(target, prompts, 10, 4, 0.0, 0, eos)
+    for p, d, g in zip(prompts, stopped, greedy):
+        out = g["ids"][len(p):]
+        out = out[: out.index(eos) + 1] if eos in out else out
+        assert d["ids"] == p + out and torch.equal(d["idx"], g["idx"][: len(d["ids"]) - 1])
+    assert len(stopped[0]["ids"]) <= len(prompts[0]) + 3 < len(greedy[0]["ids"])
+    assert max(len(d["ids"]) - len(p) for p, d in zip(prompts, stopped)) > 3  # others went on without it
+    a, b, c = (continue_prompts(target, prompts, 10, 4, 1.0, 0, None, seed=s) for s in (7, 7, 8))
+    assert [d["ids"] for d in a] == [d["ids"] for d in b]  # seeded
+    assert [d["ids"] for d in a] != [d["ids"] for d in c] != [d["ids"] for d in greedy]
 
 
 def test_reduced_vocab_draft_is_lossless(distilled):
@@ -101,3 +133,18 @@ def test_fingerprint_survives_a_dtype_change(distilled):
     import copy
 
     assert target_fingerprint(copy.deepcopy(target).to(torch.bfloat16)) == target_fingerprint(target)
+
+
+def test_a_redistilled_draft_gets_another_name_so_old_profiles_do_not_match(distilled, tmp_path):
+    from serve_app.draft import save_draft
+    from serve_app.models import display_name
+
+    target, tok, out, meta = distilled
+    name = display_name(str(out))
+    assert name.startswith(out.name + "@") and len(name) == len(out.name) + 9  # name@8 hex digits
+    draft = load_draft(str(out), target, tok)
+    with torch.no_grad():
+        draft.head.weight.mul_(1.01)  # what another training run in the same directory would leave
+    again = tmp_path / out.name
+    save_draft(draft, target, again, meta)
+    assert display_name(str(again)) != name and display_name(str(again)).startswith(out.name + "@")
