@@ -1,4 +1,4 @@
-"""`specserve` command line: generate, serve, profile, profiles push, distill, bench (engine, http, policies).
+"""`specserve` command line: generate, serve, profile, profiles push, distill, bench (engine, acceptance, http, policies).
 
 Exit codes: 0 all requests succeeded; 1 some requests failed (each reported with its line number,
 the others finished); 2 bad arguments or an unusable file/model (nothing was generated).
@@ -62,6 +62,12 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("--concurrency", type=int, default=16)
     be.add_argument("--out", default=None, help="also write the results as JSON here")
     be.set_defaults(func=_cmd_bench_engine)
+    ba = bsub.add_parser("acceptance", help="a draft's tokens per step at fixed:K on prompts it was not trained on")
+    _model_args(ba)
+    ba.add_argument("--k", type=int, default=4)
+    ba.add_argument("--max-tokens", type=int, default=128)
+    ba.add_argument("--batch-size", type=int, default=8)
+    ba.set_defaults(func=_cmd_bench_acceptance)
     bh = bsub.add_parser("http", help="tokens/s through the HTTP endpoint vs the offline engine, same concurrency")
     _model_args(bh)
     bh.add_argument("--policy", default="none")
@@ -280,6 +286,16 @@ def _cmd_bench_engine(args) -> int:
     ks = int_list(args.ks, "--ks")
     mc = ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
     bench_engine(mc, args.max_tokens, args.num_prompts, ks, args.concurrency, args.out)
+    return 0
+
+
+def _cmd_bench_acceptance(args) -> int:
+    from .bench import bench_acceptance
+
+    if not 1 <= args.k <= 32 or args.max_tokens < 1 or args.batch_size < 1:
+        raise UsageError("need 1 <= --k <= 32, --max-tokens >= 1 and --batch-size >= 1")
+    mc = ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
+    bench_acceptance(mc, args.k, args.max_tokens, args.batch_size)
     return 0
 
 

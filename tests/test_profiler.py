@@ -99,3 +99,18 @@ def test_time_varying_schedule_swings_and_is_seeded(tiny_model_dirs):
     low = [r for r, (_, _, want) in zip(rate, phases) if want < 1]
     high = [r for r, (_, _, want) in zip(rate, phases) if want > 1]
     assert max(low) < min(high)  # the load really swings
+
+
+def test_bench_acceptance_tells_a_perfect_draft_from_a_random_one(tiny_model_dirs, capsys):
+    from serve_app.bench import bench_acceptance
+    from serve_app.config import ModelConfig
+
+    target = tiny_model_dirs["target"]
+    same = bench_acceptance(ModelConfig(target=target, draft=target), k=3, max_tokens=12, batch=4)
+    other = bench_acceptance(ModelConfig(target=target, draft=tiny_model_dirs["draft"]), k=3, max_tokens=12, batch=4)
+    assert [r[0] for r in same] == ["benchmark", "creative", "held-out seed prompts"]
+    for (_, acc, per_step), (_, acc2, per_step2) in zip(same, other):
+        assert acc > 0.95 and 3.0 < per_step <= 4.0  # the target as its own draft: (nearly) all k accepted
+        assert acc2 < acc and per_step2 < per_step
+    assert "tokens/step" in capsys.readouterr().out
+    assert main(["bench", "acceptance", "--target", target, "--draft", target, "--k", "0"]) == 2
