@@ -149,7 +149,8 @@ def test_metrics_are_exported_with_gpu_type_labels(service):
     deadline, text = time.time() + 150, ""
     while time.time() < deadline:
         text = httpx.get(service["metrics"]).text
-        if "specserve_accepted_tokens" in text and "specserve_batch_size" in text:
+        # Each group's router exports on its own schedule: wait for both, not just the first.
+        if all(s in text for s in ("specserve_accepted_tokens", "specserve_batch_size", 'gpu_type="A"', 'gpu_type="B"')):
             break
         time.sleep(2)
     for name in ["specserve_requests", "specserve_generated_tokens", "specserve_ttft_seconds_bucket",
