@@ -110,6 +110,7 @@ def seed_prompts(seed: int = 0) -> list[str]:
 
 
 def sampler_seed(seed: int, pass_no: int, chunk: int) -> int:
+    """One sampling seed per (pass, chunk): a chunk samples the same text however often a run resumed."""
     return (seed * 1_000_003 + pass_no * 10_007 + chunk) % (2**63)
 
 
@@ -282,7 +283,7 @@ def make_data(target, tokenizer, prompts: list[str], samples: int, temperature: 
 
 
 def distill(target, tokenizer, target_name: str, out_dir: str, num_layers: int = 2, num_tokens: int = 8192,
-            num_prompts: int | None = None, samples: int = 1, temperature: float = 0.8, max_tokens: int = 128,
+            num_prompts: int | None = 2400, samples: int = 1, temperature: float = 0.8, max_tokens: int = 128,
             epochs: int = 5, batch_size: int = 16, lr: float = 1e-3, seed: int = 0, gen_batch_size: int = 64,
             teacher_top: int = 32) -> dict:
     """The whole pipeline; re-running with the same out_dir resumes where it stopped."""
