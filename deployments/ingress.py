@@ -6,10 +6,12 @@ way the openai python client expects: one chunk per accepted piece of text, then
 """
 
 
+import asyncio
 import json
 import os
 import time
 import uuid
+import weakref
 from typing import Literal
 
 from fastapi import FastAPI, Request
@@ -66,6 +68,50 @@ async def _next(events) -> dict:
     except Exception as e:
         message = f"engine failed: {type(e).__name__}"
     return {"error": message, "text": "", "token_ids": [], "finished": True, "finish_reason": None, "status": 503}
+
+
+class _GroupLease:
+    """One request's place in its engine group's in-flight count (what `_pick_group` balances on),
+    and the router request behind it.
+
+    `end` gives both back exactly once, whichever path gets there first: the handler (unstreamed
+    answers, refusals, a client gone while it waited), the SSE generator's `finally` (normal end,
+    error event, client gone mid-stream), or the finalizer of an SSE generator collected without
+    ever having started: its `finally` then never runs (the client left before the body began, or
+    the response was discarded), and without the finalizer the count would stay high for good and
+    the router would go on generating for nobody.
+
+    Every `end` runs on the ingress's event-loop thread (the finalizer hops there), so the flag and
+    the count need no lock.
+    """
+
+    def __init__(self, in_flight: dict[str, int], group: str):
+        self.in_flight, self.group = in_flight, group
+        self.events = None  # the router's event stream, once asked for
+        self.ended = False
+        in_flight[group] += 1
+
+    def end(self, finished: bool) -> None:
+        """finished: the router's stream is over (or never began), so there is nothing to cancel."""
+        if self.ended:
+            return
+        self.ended = True
+        self.in_flight[self.group] -= 1
+        if not finished and self.events is not None:
+            self.events.cancel()  # the router aborts the request: frees its queue place or batch slot and KV
+
+    def end_with(self, stream) -> None:
+        """Hand the lease to an SSE generator: its `finally` ends it once started; if it is collected
+        without ever starting, this finalizer does."""
+        loop = asyncio.get_running_loop()
+
+        def collected():  # the collector may run in any thread; `end` belongs on the loop
+            try:
+                loop.call_soon_threadsafe(self.end, False)
+            except RuntimeError:  # loop closed: the replica is going away, and its counts with it
+                pass
+
+        weakref.finalize(stream, collected).atexit = False  # at interpreter exit there is nothing to free
 
 
 class SamplingFields(BaseModel):
@@ -173,34 +219,30 @@ class OpenAIIngress:
         params = self._params(body, max_tokens)
         rid = request_id(request)
         group = self._pick_group()
-        self.in_flight[group] += 1
-        released = False
-
-        def release():
-            nonlocal released
-            if not released:
-                self.in_flight[group] -= 1
-                released = True
-
+        lease = _GroupLease(self.in_flight, group)
+        stream = None  # once set, the SSE generator owns the lease
         try:
-            events = self.routers[group].options(stream=True).generate.remote(ids, params, rid, body.stream)
-            first = await events.__anext__()
-        except Exception as e:  # the group's router is down or restarting
-            release()
-            raise APIError(503, f"engine group '{group}' unavailable: {type(e).__name__}", code="engine_unavailable") from None
-        if "error" in first:
-            release()
-            raise APIError(first["status"], first["error"], code="invalid_value" if first["status"] == 400 else None)
-        meta = {"id": ("chatcmpl-" if chat else "cmpl-") + rid, "created": int(time.time()), "model": self.model_name}
-        if not body.stream:
             try:
+                events = self.routers[group].options(stream=True).generate.remote(ids, params, rid, body.stream)
+                lease.events = events
+                first = await events.__anext__()
+            except Exception as e:  # the group's router is down or restarting
+                raise APIError(503, f"engine group '{group}' unavailable: {type(e).__name__}", code="engine_unavailable") from None
+            if "error" in first:
+                raise APIError(first["status"], first["error"], code="invalid_value" if first["status"] == 400 else None)
+            meta = {"id": ("chatcmpl-" if chat else "cmpl-") + rid, "created": int(time.time()), "model": self.model_name}
+            if not body.stream:
                 return await self._collect(first, events, meta, len(ids), chat)
-            finally:
-                release()
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return StreamingResponse(
-            self._sse(first, events, meta, len(ids), chat, include_usage, release), media_type="text/event-stream"
-        )
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            stream = self._sse(first, events, meta, len(ids), chat, include_usage, lease)
+            lease.end_with(stream)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        except asyncio.CancelledError:  # the client left while this handler waited on the engine
+            lease.end(finished=False)
+            raise
+        finally:
+            if stream is None:  # answered or refused here: the router's stream is over (or never began)
+                lease.end(finished=True)
 
     async def _collect(self, first: dict, events, meta: dict, n_prompt: int, chat: bool):
         text, n_out, ev = [first["text"]], len(first["token_ids"]), first
@@ -216,7 +258,8 @@ class OpenAIIngress:
         return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
                 "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}}
 
-    async def _sse(self, first: dict, events, meta: dict, n_prompt: int, chat: bool, include_usage: bool, release):
+    async def _sse(self, first: dict, events, meta: dict, n_prompt: int, chat: bool, include_usage: bool,
+                   lease: _GroupLease):
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
@@ -250,6 +293,6 @@ class OpenAIIngress:
                 yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:  # client gone: cancelling frees the sequence's batch slot and KV at the next step
-                events.cancel()
-            release()
+            # Not finished: the client left mid-stream (or an error event ended it), so cancel the
+            # router request. A generator that never started never gets here: see `_GroupLease`.
+            lease.end(finished)

@@ -9,6 +9,7 @@ profile takes effect without a restart).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 from collections import Counter as Tally
@@ -141,21 +142,35 @@ class Router:
             yield {"error": f"{'.'.join(map(str, err['loc']))}: {err['msg']}", "status": 400}
             return
         text, token_ids = [], []
+        recorded = False  # a final output was counted: a caller leaving after it is not a 499 too
         try:
-            async for out in self.engine.generate(prompt_ids, sampling, request_id):
-                if out.finished:
-                    self._record_request(out)
-                if stream:
-                    yield self._event(out)
-                    continue
-                text.append(out.text)
-                token_ids += out.token_ids
-                if out.finished:
-                    out.text, out.token_ids = "".join(text), token_ids
-                    yield self._event(out)
+            # aclosing: when the caller leaves, the engine stream's `finally` aborts the request now
+            # (a waiting one leaves the queue at once), not whenever the generator is collected.
+            async with contextlib.aclosing(self.engine.generate(prompt_ids, sampling, request_id)) as outs:
+                async for out in outs:
+                    if out.finished:
+                        self._record_request(out)
+                        recorded = True
+                    if stream:
+                        yield self._event(out)
+                        continue
+                    text.append(out.text)
+                    token_ids += out.token_ids
+                    if out.finished:
+                        out.text, out.token_ids = "".join(text), token_ids
+                        yield self._event(out)
         except ValueError as e:  # refused by Engine.submit before anything was generated
             self.m_requests.inc(tags={"status": "400"})
             yield {"error": str(e), "status": 400}
+        except (asyncio.CancelledError, GeneratorExit):
+            if not recorded:
+                # The caller left (client disconnect -> cancel) before the final output: the engine's
+                # abort output is never consumed here, so count it as 499 whether the request was still
+                # waiting or already running, as `_record_request` does for an abort output that arrives.
+                self.m_requests.inc(tags={"status": "499"})
+            raise
+        finally:
+            self.m_queue.set(len(self.engine.waiting))  # an abort shortens the queue now, not at a step
 
     def _event(self, out: RequestOutput) -> dict:
         ev = {"text": out.text, "token_ids": out.token_ids, "finished": out.finished, "finish_reason": out.finish_reason}

@@ -12,6 +12,7 @@ import asyncio
 import contextvars
 import itertools
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -80,6 +81,10 @@ class Engine:
         self.eos_ids = eos_ids
         self.vocab_size = vocab_size or info["vocab_size"]
         self.waiting: deque[Request] = deque()
+        # Guards every change to `waiting`: `_admit` (step thread) peeks the head and then pops it, while
+        # `abort` (event-loop thread) may remove any entry; a removal between that peek and pop would
+        # pop the wrong request (or an empty queue). Held only for queue bookkeeping, never a forward.
+        self._queue_lock = threading.Lock()
         self.running: list[Request] = []  # running[row]: rows match both workers' `order`
         self.reserved = 0
         self.on_step: list[Callable[[StepStats], None]] = []  # observers (metrics, benchmarks)
@@ -117,12 +122,31 @@ class Engine:
         rid = f"{request_id or 'req'}-{next(self._ids)}"  # unique even if callers reuse ids
         req = Request(rid, list(prompt_ids), params, TextStream(self.tokenizer, params.stop), reserve)
         req.stats.prompt_tokens = n
-        self.waiting.append(req)
+        with self._queue_lock:
+            self.waiting.append(req)
         return req
 
     def abort(self, req: Request) -> None:
-        """Mark a request cancelled; it leaves the batch (and frees its KV) at the next step."""
-        req.cancelled = True
+        """Cancel a request. A waiting one leaves the queue at once: it must stop counting toward the
+        router's queue bound (a burst of disconnects would otherwise turn live clients away with 429).
+        A running one leaves the batch, freeing its KV, at the next step (the step thread owns the batch).
+
+        Call it from the event-loop thread that consumes `req.queue` (or with no loop at all).
+        """
+        with self._queue_lock:
+            req.cancelled = True
+            for i, r in enumerate(self.waiting):
+                if r is req:  # identity: Request is a dataclass, so == would compare every field
+                    del self.waiting[i]
+                    break
+            else:
+                return  # admitted already (or finished): `_drop_cancelled` ends it at the next step
+        # Never admitted, so no worker or KV state to free. It still ends like any abort, with one final
+        # output, so a consumer other than the one that cancelled is not left waiting for it.
+        out = RequestOutput(req.id)
+        self._finish(req, out, "abort")
+        if req.queue is not None:
+            req.queue.put_nowait(out)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -167,13 +191,11 @@ class Engine:
     def _admit(self, st: StepStats) -> list[tuple[Request, RequestOutput]]:
         """Prefill waiting requests while the batch and the KV budget allow (FIFO, no overtaking)."""
         new: list[Request] = []
-        while self.waiting and len(self.running) + len(new) < self.config.max_batch_size:
-            req = self.waiting[0]
-            if self.reserved + req.reserve > self.config.max_num_tokens:
-                break
-            self.waiting.popleft()
-            if req.cancelled:
-                continue
+        while len(self.running) + len(new) < self.config.max_batch_size:
+            with self._queue_lock:  # peek and pop as one: `abort` may remove entries meanwhile
+                if not self.waiting or self.reserved + self.waiting[0].reserve > self.config.max_num_tokens:
+                    break
+                req = self.waiting.popleft()  # never a cancelled one: `abort` removes those under this lock
             new.append(req)
             self.reserved += req.reserve
         if not new:
