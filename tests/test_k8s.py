@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -27,6 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import jsonschema
+import kubernetes_validate as kv
 import pytest
 import yaml
 
@@ -34,7 +36,6 @@ ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
 MANIFESTS = sorted(K8S.glob("*.yaml"))
 K8S_VERSION = "1.37.0"
-kv = pytest.importorskip("kubernetes_validate")
 
 
 def load_script(name: str):
@@ -117,14 +118,20 @@ def as_raycluster(rs: dict) -> dict:
             "spec": copy.deepcopy(rs["spec"]["rayClusterConfig"])}
 
 
-def test_crds_are_the_shared_kuberay_ones_with_their_origin_noted():
+KUBERAY_RELEASE, KUBERAY_COMMIT = "v1.7.0", "feeaf72facab4881ba2b179248bb67315634e229"
+
+
+def test_crds_are_the_pinned_kuberay_release_with_their_origin_noted():
     assert set(CRDS) == {"RayService", "RayCluster"}
+    sums = (K8S / "crds" / "SHA256SUMS").read_text().splitlines()
+    header = "\n".join(line for line in sums if line.startswith("#"))
+    assert "ray-project/kuberay" in header and f"KubeRay {KUBERAY_RELEASE}" in header and KUBERAY_COMMIT in header
+    pins = dict(reversed(line.split(maxsplit=1)) for line in sums if line and not line.startswith("#"))
+    assert set(pins) == {p.name for p in (K8S / "crds").glob("*.yaml")} == {"ray.io_rayservices.yaml", "ray.io_rayclusters.yaml"}
+    for name, digest in pins.items():
+        assert hashlib.sha256((K8S / "crds" / name).read_bytes()).hexdigest() == digest, f"{name} differs from its pin"
     note = (K8S / "crds" / "README.md").read_text()
-    assert "ray-project/kuberay" in note and "feeaf72f" in note
-    shared = ROOT.parent / "shared" / "kuberay-crds"
-    for f in ("ray.io_rayservices.yaml", "ray.io_rayclusters.yaml"):
-        if (shared / f).exists():
-            assert (shared / f).read_bytes() == (K8S / "crds" / f).read_bytes(), f
+    assert "ray-project/kuberay" in note and KUBERAY_COMMIT[:8] in note and KUBERAY_RELEASE in note and "SHA256SUMS" in note
 
 
 def test_every_manifest_parses_and_has_a_header_saying_what_to_set():
@@ -166,7 +173,8 @@ def test_crd_validation_fills_defaults_and_catches_mistakes():
     assert any("groupName" in e for e in crd_errors(nogroup))
     badpod = copy.deepcopy(rs)
     badpod["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["imagePullPolicy"] = 3
-    assert crd_errors(badpod)
+    assert crd_errors(badpod) == [
+        "spec.rayClusterConfig.headGroupSpec.template.spec.containers.0.imagePullPolicy: 3 is not of type 'string'"]
 
 
 # ---- core kinds with kubernetes-validate --------------------------------------------------------
@@ -193,8 +201,9 @@ def test_core_kinds_and_every_ray_pod_template_validate_with_kubernetes_validate
             kv.validate(pod, K8S_VERSION, strict=True)
     broken = copy.deepcopy(next(d for _, d in all_docs() if d["kind"] == "Deployment"))
     broken["spec"]["template"]["spec"]["containers"][0]["imagePullPolicy"] = ["Always"]
-    with pytest.raises(kv.ValidationError):
+    with pytest.raises(kv.ValidationError, match=r"\['Always'\] is not of type 'string'") as caught:
         kv.validate(broken, K8S_VERSION, strict=True)
+    assert list(caught.value.path) == ["spec", "template", "spec", "containers", 0, "imagePullPolicy"]
 
 
 def test_profiles_configmap_is_generated_validated_and_mounted(tmp_path):
@@ -226,6 +235,7 @@ def serve_config(rs: dict) -> dict:
 
 @pytest.mark.parametrize("manifest", ["rayservice.yaml", "rayservice-cpu.yaml"])
 def test_serve_config_validates_with_rays_schema_and_builds_the_app(manifest):
+    from pydantic import ValidationError
     from ray.serve import Application
     from ray.serve.schema import ServeDeploySchema
 
@@ -241,7 +251,7 @@ def test_serve_config_validates_with_rays_schema_and_builds_the_app(manifest):
         cfg = AppConfig.model_validate(app.args)
         assert cfg.profiles_dir and cfg.engine.policy == "adaptive"
         assert isinstance(builder(app.args), Application)
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match='invalid import path "no-colon"'):
         ServeDeploySchema.parse_obj({**raw, "applications": [{**raw["applications"][0], "import_path": "no-colon"}]})
 
 
@@ -333,7 +343,7 @@ def test_monitors_select_ray_pods_on_a_port_the_pods_name():
     for d in monitors.values():
         assert d["apiVersion"] == "monitoring.coreos.com/v1"
         assert d["spec"]["selector"]["matchLabels"]["ray.io/node-type"] in ("head", "worker")
-        endpoints = d["spec"].get("endpoints") or d["spec"].get("podMetricsEndpoints")
+        endpoints = d["spec"]["endpoints" if d["kind"] == "ServiceMonitor" else "podMetricsEndpoints"]
         assert [e["port"] for e in endpoints] == ["metrics"] and endpoints[0]["path"] == "/metrics"
     for _, rs in rayservices():
         assert rs["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["metrics-export-port"] == "8080"
@@ -379,7 +389,7 @@ def test_promql_metric_name_extraction():
     assert f("avg without (replica) (g) > bool 0.5 or vector(1)") == {"g"}
     assert f("label_values(ray_specserve_batch_size, gpu_type)") == {"ray_specserve_batch_size"}
     assert f("max_over_time(q[10m:1m] offset 5m)") == {"q"}
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unbalanced brackets"):
         f("sum(rate(x[5m])")
 
 
@@ -459,9 +469,25 @@ class FakeGrafana(BaseHTTPRequestHandler):
             self._reply(404, {"message": "not found"})
 
 
+def test_grafana_client_is_installed_beside_the_real_urllib3():
+    """`make install` builds urllib3-future with URLLIB3_NO_OVERRIDE=1: its wheel would replace urllib3."""
+    from importlib.metadata import files, version
+
+    import grafana_client  # noqa: F401
+    import niquests
+    import requests
+    import urllib3
+
+    assert urllib3.__version__ == version("urllib3") and not urllib3.__version__.startswith(version("urllib3-future"))
+    assert not [f for f in files("urllib3-future") if f.parts[0] == "urllib3"]  # it ships only urllib3_future
+    assert requests.packages.urllib3 is urllib3  # requests (and Ray, httpx's neighbours) keep the real one
+    assert sys.modules["niquests.packages.urllib3"].__name__ == "urllib3_future" and niquests.__version__
+
+
 @pytest.fixture()
 def grafana():
-    pytest.importorskip("grafana_client", reason="`make dashboards` installs grafana-client")
+    import grafana_client  # noqa: F401  (the `dashboards` extra, installed by `make install`)
+
     FakeGrafana.folders, FakeGrafana.dashboards, FakeGrafana.calls = {}, {}, []
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeGrafana)
     threading.Thread(target=server.serve_forever, daemon=True).start()

@@ -25,7 +25,6 @@ import httpx
 import pytest
 
 os.environ.setdefault("LOCUST_SKIP_MONKEY_PATCH", "1")  # importing the shapes must not gevent-patch pytest (Ray runs here)
-loadtest_shapes = pytest.importorskip("loadtest.shapes")
 from loadtest import report  # noqa: E402
 from loadtest.shapes import SHAPES, load_shape  # noqa: E402
 
@@ -286,7 +285,7 @@ def test_unreachable_service_is_exit_status_2(tmp_path):
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     """specserve on a local Ray cluster: tiny target + draft, a profile whose k falls with the batch."""
-    ray = pytest.importorskip("ray")
+    import ray
     from ray import serve
 
     from conftest import save_serving_pair

@@ -25,7 +25,12 @@ def test_fixed_clamps_to_max_k_and_needs_a_draft():
     assert p.choose(BatchState(batch_size=4, max_k=3)) == 3
     assert p.choose(BatchState(batch_size=4, max_k=8, has_draft=False)) == 0
     assert make_policy("none").choose(BatchState(batch_size=1, max_k=8)) == 0
-    p.observe(StepStats(batch_size=4, k=6, proposed=24, accepted=10))  # hooks accept stats
+    steps = [StepStats(batch_size=4, k=6, proposed=24, accepted=0, accepted_per_position=[0] * 6),
+             StepStats(batch_size=4, k=6, proposed=24, accepted=24, accepted_per_position=[4] * 6)]
+    for policy, k in ((p, 6), (make_policy("none"), 0)):  # what a step did never moves a fixed choice
+        for st in steps:
+            policy.observe(st)
+            assert [policy.choose(BatchState(batch_size=b, max_k=8)) for b in (1, 4, 32)] == [k] * 3
 
 
 def test_step_stats_acceptance_rate():
