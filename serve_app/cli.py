@@ -60,27 +60,35 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("--num-prompts", type=int, default=4, help="prompts for the batch-1 runs")
     be.add_argument("--ks", default="1,2,4", help="fixed k values to run at batch 1")
     be.add_argument("--concurrency", type=int, default=16)
-    be.add_argument("--out", default=None, help="also write the results as JSON here")
+    be.add_argument("--rounds", type=int, default=3, help="rounds after the warm-up, every side once per round; medians")
+    be.add_argument("--out", default=None,
+                    help="writes OUT.json and OUT.md (default results/bench-engine-<hardware type>)")
     be.set_defaults(func=_cmd_bench_engine)
     ba = bsub.add_parser("acceptance", help="a draft's tokens per step at fixed:K on prompts it was not trained on")
     _model_args(ba)
     ba.add_argument("--k", type=int, default=4)
     ba.add_argument("--max-tokens", type=int, default=128)
     ba.add_argument("--batch-size", type=int, default=8)
+    ba.add_argument("--out", default=None,
+                    help="writes OUT.json and OUT.md (default results/bench-acceptance-<hardware type>)")
     ba.set_defaults(func=_cmd_bench_acceptance)
     bh = bsub.add_parser("http", help="tokens/s through the HTTP endpoint vs the offline engine, same concurrency")
     _model_args(bh)
-    bh.add_argument("--policy", default="none")
+    bh.add_argument("--policy", default="none", help="none or fixed:K (the same k on both sides)")
     bh.add_argument("--max-tokens", type=int, default=48)
     bh.add_argument("--concurrency", type=int, default=8)
     bh.add_argument("--requests", type=int, default=16)
     bh.add_argument("--port", type=int, default=8011)
+    bh.add_argument("--rounds", type=int, default=3, help="rounds after the warm-up, both sides once per round; medians")
+    bh.add_argument("--out", default=None,
+                    help="writes OUT.json and OUT.md (default results/bench-http-<hardware type>)")
     bh.set_defaults(func=_cmd_bench_http)
 
     bp = bsub.add_parser("policies", help="the paper's experiments: none, fixed:1..K, lut, adaptive in one run")
     _model_args(bp)
     bp.add_argument("--profile", default=None, help="profile JSON (default profiles/<hardware type>.json)")
-    bp.add_argument("--out", default="out/bench-policies", help="results directory (summary.md, results.json, PNGs)")
+    bp.add_argument("--out", default=None,
+                    help="results directory: summary.md, results.json, PNGs (default results/bench-policies-<hardware type>)")
     bp.add_argument("--concurrency", default="1,2,4,8,16,32", help="(a) closed-loop concurrencies")
     bp.add_argument("--max-k", type=int, default=8, help="fixed:1 .. fixed:K are compared")
     bp.add_argument("--scale", type=float, default=1.0, help="scales request counts and the schedule's length")
@@ -280,22 +288,35 @@ def int_list(text: str, flag: str) -> list[int]:
         raise UsageError(f"{flag} must be comma-separated whole numbers, e.g. 1,2,4, got {text!r}") from None
 
 
+def _write_bench(args, name: str, results: dict, markdown: str) -> None:
+    from .bench.rounds import default_stem, write_results
+
+    print("\n" + markdown)
+    json_path, md_path = write_results(args.out or default_stem(f"bench-{name}"), results, markdown)
+    print(f"results: {json_path}, {md_path}")
+
+
+def _bench_model(args) -> ModelConfig:
+    return ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
+
+
 def _cmd_bench_engine(args) -> int:
-    from .bench import bench_engine
+    from .bench.engine import bench_engine
 
     ks = int_list(args.ks, "--ks")
-    mc = ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
-    bench_engine(mc, args.max_tokens, args.num_prompts, ks, args.concurrency, args.out)
+    if args.rounds < 1 or args.num_prompts < 1 or args.concurrency < 1 or args.max_tokens < 1 or any(k < 1 for k in ks):
+        raise UsageError("need --rounds, --num-prompts, --concurrency, --max-tokens >= 1 and --ks values >= 1")
+    _write_bench(args, "engine", *bench_engine(_bench_model(args), args.max_tokens, args.num_prompts, ks,
+                                                args.concurrency, args.rounds))
     return 0
 
 
 def _cmd_bench_acceptance(args) -> int:
-    from .bench import bench_acceptance
+    from .bench.acceptance import bench_acceptance
 
     if not 1 <= args.k <= 32 or args.max_tokens < 1 or args.batch_size < 1:
         raise UsageError("need 1 <= --k <= 32, --max-tokens >= 1 and --batch-size >= 1")
-    mc = ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
-    bench_acceptance(mc, args.k, args.max_tokens, args.batch_size)
+    _write_bench(args, "acceptance", *bench_acceptance(_bench_model(args), args.k, args.max_tokens, args.batch_size))
     return 0
 
 
@@ -387,25 +408,29 @@ def find_profile(path: str | None, mc: ModelConfig):
 
 
 def _cmd_bench_policies(args) -> int:
-    from .bench_policies import bench_policies
+    from .bench.policies import bench_policies
+    from .bench.rounds import default_stem
     from .models import load_models
 
     cs = sorted(set(int_list(args.concurrency, "--concurrency")))
     if (not cs or cs[0] < 1 or not 1 <= args.max_k <= 8 or args.scale <= 0 or not set(args.parts) <= set("abc")
             or args.repeat < 1):
         raise UsageError("need concurrencies >= 1, 1 <= --max-k <= 8, --scale > 0, --repeat >= 1 and --parts from a, b, c")
-    mc = ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
+    mc = _bench_model(args)
     profile = find_profile(args.profile, mc)
-    bench_policies(load_models(mc), profile, args.out, cs, args.max_k, args.scale, args.seed, args.parts, args.repeat)
-    print(open(os.path.join(args.out, "summary.md")).read())
+    out = args.out or str(default_stem("bench-policies"))
+    bench_policies(load_models(mc), profile, out, cs, args.max_k, args.scale, args.seed, args.parts, args.repeat)
+    print(open(os.path.join(out, "summary.md")).read())
     return 0
 
 
 def _cmd_bench_http(args) -> int:
-    from .bench import bench_http
+    from .bench.http import bench_http
 
-    mc = ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
-    bench_http(mc, args.policy, args.max_tokens, args.concurrency, args.requests, args.port)
+    if args.policy in ("lut", "adaptive") or args.rounds < 1:
+        raise UsageError("bench http runs the same k on both sides: --policy none or fixed:K; --rounds >= 1")
+    _write_bench(args, "http", *bench_http(_bench_model(args), args.policy, args.max_tokens, args.concurrency,
+                                            args.requests, args.port, args.rounds))
     return 0
 
 

@@ -296,14 +296,18 @@ def distill(target, tokenizer, target_name: str, out_dir: str, num_layers: int =
     data = make_data(target, tokenizer, prompts, samples, temperature, max_tokens, teacher_top, gen_batch_size,
                      seed, work / "data")
     n_out = sum(len(d["ids"]) - d["start"] for d in data)
-    print(f"data: {len(data)} sequences, {n_out} generated tokens ({time.perf_counter() - t:.0f}s)")
+    data_s, t = time.perf_counter() - t, time.perf_counter()
+    print(f"data: {len(data)} sequences, {n_out} generated tokens ({data_s:.0f}s)")
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     tokens = token_set(data, num_tokens, eos)
     draft = ReducedVocabDraft(target, num_layers, tokens)
     losses = train(draft, data, epochs, batch_size, lr, seed, ckpt=work / "checkpoint.pt")
+    train_s = time.perf_counter() - t
     meta = {"target": target_name, "init_layers": list(range(num_layers)), "num_prompts": len(prompts),
             "samples": samples, "temperature": temperature, "generated_tokens": n_out, "max_tokens": max_tokens,
             "epochs": epochs, "lr": lr, "seed": seed, "teacher_top": teacher_top,
-            "losses": [round(x, 4) for x in losses]}
+            "losses": [round(x, 4) for x in losses],
+            # wall time of this run (a resumed run counts only what it did), so a recipe's cost is on record
+            "data_seconds": round(data_s, 1), "train_seconds": round(train_s, 1), "torch_threads": torch.get_num_threads()}
     save_draft(draft, target, out, meta)
     return meta

@@ -1,26 +1,29 @@
 """`specserve profile`: measure one hardware type's speculation costs and write its profile.
 
 Runs the real engine (no Ray: GPU boxes with only torch + transformers can profile) in two parts:
-1. Latency grid. For each batch size b, b greedy requests run together while the profiler sets k
-   for every step, cycling k = 0..K so every k sees the same context lengths; each cell is the
-   median over `reps` steps of the draft, verification and other time the engine's step stats report.
-2. Acceptance per position: the engine at fixed:K over a prompt set the distillation never saw.
+1. Latency grid. For each batch size b, b greedy requests run together while the profiler sets k:
+   every round visits each k = 0..K in a shuffled order, two steps per visit; each cell is the median
+   over `reps` rounds of the second step's draft, verification and other time (the first step of a
+   visit pays for switching k and is recorded apart, as the cost of resuming after k = 0).
+2. Acceptance per position: the engine at fixed:K over PROFILE_PROMPTS, a prompt set no distillation
+   and no benchmark uses (so the policies are never judged on the prompts that tuned them).
 From both it derives the best-k table (lowest latency per generated token per batch size) and
 the per-token acceptance rate the adaptive policy starts from, and draws a heatmap.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from .bench import bench_prompts
 from .config import EngineConfig, ModelConfig, SamplingParams
 from .models import LoadedModels, load_models, model_names
 from .policy import FixedK
+from .prompt_sets import PROFILE_PROMPTS, chat_prompts
 from .profiles import (LatencyGrid, Profile, best_k_table, detect_gpu_type, fit_acceptance_rate, ms_per_token,
                        save_profile)
 from .scheduler import Engine
@@ -31,11 +34,23 @@ def _engine(models: LoadedModels, batch: int, max_k: int, kv_tokens: int) -> Eng
     return Engine.from_models(models, EngineConfig(max_batch_size=batch, max_k=max_k, max_num_tokens=kv_tokens), FixedK(0))
 
 
-def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int], reps: int, bar: tqdm) -> LatencyGrid:
-    prompts = bench_prompts(models.tokenizer, max(batch_sizes))
+def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int], reps: int, bar: tqdm,
+                    seed: int = 0) -> LatencyGrid:
+    """Median draft / verify / other time of a step for every (batch size, k).
+
+    b greedy requests run together while the profiler sets k. Each of `reps` rounds (after a warm-up
+    round) visits every k once, in a shuffled order, so each k sees the same mix of context lengths and
+    predecessors. A visit is two steps at that k: the first pays for the switch (after a k = 0 visit,
+    the draft feeds the tokens it skipped) and is kept out of the cell, which records the second, the
+    cost a policy that stays at k pays every step. The switch cost is real but belongs to switching:
+    `resume_ms` records it for steps that resume speculation after k = 0.
+    """
+    prompts = chat_prompts(models.tokenizer, PROFILE_PROMPTS, max(batch_sizes))
     rounds = reps + 1  # one warm-up round per batch size, not recorded
-    max_tokens = rounds * sum(k + 1 for k in ks) + 2
+    max_tokens = rounds * 2 * sum(k + 1 for k in ks) + 2
+    rng = random.Random(seed)
     cells = {name: [[0.0] * len(ks) for _ in batch_sizes] for name in ("draft_ms", "verify_ms", "other_ms")}
+    resume_ms = []
     for i, b in enumerate(batch_sizes):
         need = max(len(p) for p in prompts[:b]) + max_tokens + max(ks) + 1
         engine = _engine(models, b, max(ks), b * need)
@@ -48,26 +63,38 @@ def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int],
         reqs = [engine.submit(p, params) for p in prompts[:b]]
         engine.step()  # prefill (and a k = 0 step), not recorded
         samples: dict[int, list[StepStats]] = {k: [] for k in ks}
+        resumes: list[tuple[int, StepStats]] = []  # (k, switch step) right after a k = 0 visit
+        prev = 0
         for r in range(rounds):
-            for k in ks:
+            order = list(ks)
+            rng.shuffle(order)
+            for k in order:
                 engine.policy = FixedK(k)
+                engine.step()
+                switch = seen[-1]
                 engine.step()
                 if r:
                     samples[k].append(seen[-1])
+                    if prev == 0 and k > 0:
+                        resumes.append((k, switch))
+                prev = k
                 bar.update(1)
         for j, k in enumerate(ks):
             for name, attr in (("draft_ms", "draft_s"), ("verify_ms", "verify_s"), ("other_ms", "other_s")):
                 cells[name][i][j] = round(statistics.median(getattr(s, attr) for s in samples[k]) * 1000, 3)
+        steady = {k: cells["draft_ms"][i][j] for j, k in enumerate(ks)}
+        extra = [s.draft_s * 1000 - steady[k] for k, s in resumes]
+        resume_ms.append(round(max(statistics.median(extra), 0.0), 3) if extra else 0.0)
         for r in reqs:
             engine.abort(r)
         engine.step()  # drops them: frees this batch's KV before the next size
-    return LatencyGrid(batch_sizes=batch_sizes, ks=ks, **cells)
+    return LatencyGrid(batch_sizes=batch_sizes, ks=ks, resume_ms=resume_ms, **cells)
 
 
 def measure_acceptance(models: LoadedModels, k: int, num_prompts: int, max_tokens: int, bar: tqdm) -> list[float]:
     """acceptance[i] = share of (sequence, step) pairs at fixed k where draft token i was accepted."""
     batch = min(8, num_prompts)
-    prompts = bench_prompts(models.tokenizer, num_prompts)
+    prompts = chat_prompts(models.tokenizer, PROFILE_PROMPTS, num_prompts)
     engine = _engine(models, batch, k, batch * (max(len(p) for p in prompts) + max_tokens + k + 1))
     engine.policy = FixedK(k)
     accepted, seqs = [0] * k, 0
@@ -97,16 +124,17 @@ def run_profile(mc: ModelConfig, out: str | None, batch_sizes: list[int], max_k:
     ks = list(range(max_k + 1))
     torch.manual_seed(0)
     total = len(batch_sizes) * (reps + 1) * len(ks) + num_prompts
-    with tqdm(total=total, desc=f"profile {gpu_type}", unit="step") as bar:
+    with tqdm(total=total, desc=f"profile {gpu_type}", unit="cell") as bar:
         grid = measure_latency(models, batch_sizes, ks, reps, bar)
         acceptance = measure_acceptance(models, max_k, num_prompts, max_tokens, bar)
     target, draft = model_names(mc)
     profile = Profile(
         gpu_type=gpu_type, target=target, draft=draft, dtype=mc.dtype, latency=grid, acceptance=acceptance,
         acceptance_rate=round(fit_acceptance_rate(acceptance), 4), best_k=best_k_table(grid, acceptance),
-        notes=(f"specserve profile: greedy, {reps} steps per cell (median) after a warm-up round, torch threads "
+        notes=(f"specserve profile: greedy; latency: {reps} rounds after a warm-up round, k visited in a shuffled "
+               "order, two steps per visit, the second recorded (median over rounds); torch threads "
                f"{torch.get_num_threads()}, device {mc.device}; acceptance at k={max_k} over {num_prompts} "
-               f"bench prompts x {max_tokens} tokens"),
+               f"PROFILE_PROMPTS x {max_tokens} tokens"),
     )
     save_profile(profile, out_path)
     plot_profile(profile, out_path.with_suffix(".png"))

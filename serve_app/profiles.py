@@ -38,6 +38,9 @@ class LatencyGrid(BaseModel):
     """verify_ms[i][j]: the target's verification forward of ks[j] + 1 tokens per sequence."""
     other_ms: list[list[float]]
     """other_ms[i][j]: the rest of the step (acceptance, bookkeeping, detokenizing)."""
+    resume_ms: list[float] | None = None
+    """resume_ms[i]: extra draft time of the first speculating step after steps at k = 0 (the draft
+    feeds the tokens it skipped), over the steady-state cell; a switch cost, not part of the cells."""
 
     @model_validator(mode="after")
     def _shape(self) -> "LatencyGrid":
@@ -46,6 +49,8 @@ class LatencyGrid(BaseModel):
                 raise ValueError(f"{name} must be ascending, distinct and >= {1 if name == 'batch_sizes' else 0}")
         if self.ks[0] != 0:
             raise ValueError("ks must start at 0 (plain decoding is the baseline every k is compared with)")
+        if self.resume_ms is not None and (len(self.resume_ms) != len(self.batch_sizes) or min(self.resume_ms) < 0):
+            raise ValueError(f"resume_ms needs one latency >= 0 per batch size {self.batch_sizes}")
         for name in ("draft_ms", "verify_ms", "other_ms"):
             rows = getattr(self, name)
             if len(rows) != len(self.batch_sizes):

@@ -27,21 +27,63 @@ def test_profiling_smoke_writes_a_valid_profile_and_heatmap(tiny_profile):
     g = p.latency
     assert g.batch_sizes == [1, 2, 4] and g.ks == [0, 1, 2, 3]
     assert all(v > 0 for row in g.verify_ms for v in row)
-    assert all(row[0] == 0 or row[0] < row[-1] for row in g.draft_ms)  # k = 0 runs no draft forward
+    assert all(row[0] < row[-1] for row in g.draft_ms)  # k = 0 runs no draft forward, k = 3 three
+    assert len(g.resume_ms) == 3 and all(v >= 0 for v in g.resume_ms)
+    assert "PROFILE_PROMPTS" in p.notes and "shuffled" in p.notes
     assert len(p.acceptance) == 3 and sorted(p.acceptance, reverse=True) == p.acceptance
     assert set(p.best_k) == {1, 2, 4} and all(0 <= k <= 3 for k in p.best_k.values())
     png = tiny_profile.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+def test_latency_visits_every_k_per_round_in_a_shuffled_order_two_steps_each(tiny_model_dirs, monkeypatch):
+    from serve_app import profiler
+    from serve_app.config import ModelConfig
+    from serve_app.models import load_models
+    from serve_app.policy import FixedK
+
+    chosen = []
+
+    def record(k):
+        chosen.append(k)
+        return FixedK(k)
+
+    monkeypatch.setattr(profiler, "FixedK", record)
+    models = load_models(ModelConfig(target=tiny_model_dirs["target"], draft=tiny_model_dirs["draft"]))
+    grid = profiler.measure_latency(models, [2], [0, 1, 2, 3], reps=4, bar=profiler.tqdm(disable=True))
+    assert chosen[0] == 0  # the engine's own policy for the prefill step
+    visits = chosen[1:]
+    rounds = [visits[i:i + 4] for i in range(0, len(visits), 4)]
+    assert len(rounds) == 5  # warm-up round + 4 recorded
+    assert all(sorted(r) == [0, 1, 2, 3] for r in rounds)  # every k once per round
+    assert len({tuple(r) for r in rounds}) > 1  # not the same order every round
+    assert any(r[0] != 0 for r in rounds)  # k = 1 does not always follow k = 0
+    assert grid.resume_ms is not None and len(grid.resume_ms) == 1 and grid.resume_ms[0] >= 0
+
+
+def speculating_profile(tiny_profile, path, **changes):
+    """The tiny profile with every best k = 2 and a grid where verification costs the same at every k,
+    so lut and (with a good starting estimate) adaptive speculate whatever the random draft does."""
+    body = json.loads(tiny_profile.read_text())
+    g = body["latency"]
+    g["draft_ms"] = [[0.0] * len(g["ks"]) for _ in g["batch_sizes"]]
+    g["verify_ms"] = [[10.0] * len(g["ks"]) for _ in g["batch_sizes"]]
+    body |= {"best_k": {str(b): 2 for b in g["batch_sizes"]}, "acceptance_rate": 0.9, **changes}
+    path.write_text(json.dumps(body))
+    return str(path)
+
+
 @pytest.mark.parametrize("policy", ["lut", "adaptive"])
-def test_profile_driven_policies_keep_greedy_output(tmp_path, tiny_model_dirs, tiny_profile, policy):
+def test_profile_driven_policies_speculate_and_keep_greedy_output(tmp_path, tiny_model_dirs, tiny_profile, policy):
     from test_cli import GOOD, run
 
     _, plain = run(tmp_path, tiny_model_dirs, GOOD, "--max-tokens", "16", "--policy", "none")
+    profile = speculating_profile(tiny_profile, tmp_path / "spec.json")
     code, spec = run(tmp_path, tiny_model_dirs, GOOD, "--max-tokens", "16", "--policy", policy,
-                     "--profile", str(tiny_profile), "--batch-size", "2")
+                     "--profile", profile, "--batch-size", "2")
     assert code == 0
+    assert sum(r["stats"]["proposed"] for r in spec) > 0  # it did speculate: the comparison means something
+    assert sum(r["stats"]["accepted"] for r in spec) < sum(r["stats"]["proposed"] for r in spec)  # and was rejected
     assert [r["token_ids"] for r in spec] == [r["token_ids"] for r in plain]
 
 
@@ -66,7 +108,7 @@ def test_profile_errors_exit_2(tmp_path, tiny_model_dirs, tiny_profile, capsys):
 
 def test_bench_policies_runs_every_experiment(tmp_path, tiny_model_dirs, tiny_profile):
     """A small run of (a), (b) and (c) on tiny models: every policy, the markdown and the plots."""
-    from serve_app import bench_policies as bp
+    from serve_app.bench import policies as bp
     from serve_app.config import ModelConfig
     from serve_app.models import load_models
     from serve_app.profiles import load_profile
@@ -88,7 +130,7 @@ def test_bench_policies_runs_every_experiment(tmp_path, tiny_model_dirs, tiny_pr
 
 
 def test_time_varying_schedule_swings_and_is_seeded(tiny_model_dirs):
-    from serve_app import bench_policies as bp
+    from serve_app.bench import policies as bp
     from serve_app.models import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dirs["target"])
@@ -101,16 +143,22 @@ def test_time_varying_schedule_swings_and_is_seeded(tiny_model_dirs):
     assert max(low) < min(high)  # the load really swings
 
 
-def test_bench_acceptance_tells_a_perfect_draft_from_a_random_one(tiny_model_dirs, capsys):
-    from serve_app.bench import bench_acceptance
+def test_bench_acceptance_tells_a_perfect_draft_from_a_random_one(tiny_model_dirs, capsys, tmp_path):
+    from serve_app.bench.acceptance import bench_acceptance
     from serve_app.config import ModelConfig
 
     target = tiny_model_dirs["target"]
-    same = bench_acceptance(ModelConfig(target=target, draft=target), k=3, max_tokens=12, batch=4)
-    other = bench_acceptance(ModelConfig(target=target, draft=tiny_model_dirs["draft"]), k=3, max_tokens=12, batch=4)
-    assert [r[0] for r in same] == ["benchmark", "creative", "held-out seed prompts"]
-    for (_, acc, per_step), (_, acc2, per_step2) in zip(same, other):
-        assert acc > 0.95 and 3.0 < per_step <= 4.0  # the target as its own draft: (nearly) all k accepted
-        assert acc2 < acc and per_step2 < per_step
-    assert "tokens/step" in capsys.readouterr().out
+    same, _ = bench_acceptance(ModelConfig(target=target, draft=target), k=3, max_tokens=12, batch=4)
+    other, md = bench_acceptance(ModelConfig(target=target, draft=tiny_model_dirs["draft"]), k=3, max_tokens=12, batch=4)
+    assert list(same["sets"]) == ["benchmark", "creative", "structured"]
+    for name, s in same["sets"].items():
+        o = other["sets"][name]
+        assert s["acceptance"] > 0.95 and 3.0 < s["tokens_per_step"] <= 4.0  # the target as its own draft
+        assert o["acceptance"] < s["acceptance"] and o["tokens_per_step"] < s["tokens_per_step"]
+    assert "| structured |" in md
+    out = tmp_path / "acc"
+    assert main(["bench", "acceptance", "--target", target, "--draft", target, "--k", "2", "--max-tokens", "4",
+                 "--out", str(out)]) == 0
+    assert json.loads((tmp_path / "acc.json").read_text())["sets"]["creative"]["tokens_per_step"] > 2.9
+    assert "tokens/step" in (tmp_path / "acc.md").read_text() and "tokens/step" in capsys.readouterr().out
     assert main(["bench", "acceptance", "--target", target, "--draft", target, "--k", "0"]) == 2

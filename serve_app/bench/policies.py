@@ -5,10 +5,13 @@
     last token) and tokens/s per policy.
 (b) time-varying traffic: a seeded open-loop arrival schedule swinging between low and high load,
     replayed in real time; mean request latency (arrival to last token, queueing included).
-(c) workload shift: creative prompts (the draft agrees less), then prompts like those it was distilled on (more),
-    closed loop; lut (fixed table) against adaptive (follows the live acceptance).
+(c) workload shift: creative prompts (the draft agrees less), then structured ones - lists, code edits,
+    rewrites, whose answers follow the request's own text (it agrees more) - closed loop; lut (fixed
+    table) against adaptive (follows the live acceptance).
 Policies compared: none, fixed:1..K, lut, adaptive, all with the profile of this hardware type.
-Greedy decoding throughout, so every policy produces the same tokens and only time differs.
+Greedy decoding throughout, so every policy produces the same tokens and only time differs. Every
+prompt comes from the evaluation sets (serve_app/prompt_sets.py): none is a distillation prompt or
+one the profile was measured on.
 """
 
 from __future__ import annotations
@@ -23,35 +26,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .bench import BENCH_PROMPTS
-from .config import EngineConfig, SamplingParams
-from .models import LoadedModels
-from .policy import BatchState, make_policy
-from .profiles import Profile
-from .prompts import encode_chat
-from .scheduler import Engine
-from .stats import StepStats
-
-CREATIVE_PROMPTS = [
-    "Invent a new holiday and describe how people celebrate it.",
-    "Write a short poem about a lonely lighthouse in a storm.",
-    "Describe the taste of a fruit that does not exist.",
-    "Tell a story about a clock that runs backwards.",
-    "Imagine a city built inside a giant tree. What is daily life like?",
-    "Write a letter from a cat to its owner complaining about Mondays.",
-    "Describe a dream you might have after reading about the ocean.",
-    "Create a myth that explains why the stars twinkle.",
-]
-"""Unusual requests, unlike anything the draft was distilled on: the draft agrees less."""
-
-
-def familiar_prompts(n: int) -> list[str]:
-    """Requests the draft was distilled on (its own seed prompts): the draft agrees more, as it does
-    for a deployment whose traffic matches the draft's training data."""
-    from .distill import seed_prompts
-
-    return seed_prompts()[:n]
-
+from ..config import EngineConfig, SamplingParams
+from ..models import LoadedModels
+from ..policy import BatchState, make_policy
+from ..profiles import Profile
+from ..prompt_sets import BENCH_PROMPTS, CREATIVE_PROMPTS, STRUCTURED_PROMPTS, chat_prompts
+from ..scheduler import Engine
+from ..stats import StepStats
+from .rounds import provenance
 
 LATENCY_PROMPTS = BENCH_PROMPTS + CREATIVE_PROMPTS
 
@@ -152,13 +134,9 @@ def _run(models: LoadedModels, profile: Profile | None, policy: str, jobs: list[
     return res
 
 
-def _chat(tokenizer, texts: list[str]) -> list[list[int]]:
-    return [encode_chat(tokenizer, [{"role": "user", "content": t}]) for t in texts]
-
-
 def uniform_jobs(tokenizer, concurrency: int, rng: random.Random, scale: float) -> list[Job]:
     n = max(6, int(2 * concurrency * scale))
-    prompts = _chat(tokenizer, [LATENCY_PROMPTS[rng.randrange(len(LATENCY_PROMPTS))] for _ in range(n)])
+    prompts = chat_prompts(tokenizer, [LATENCY_PROMPTS[rng.randrange(len(LATENCY_PROMPTS))] for _ in range(n)])
     return [Job(p, rng.randint(16, 48)) for p in prompts]
 
 
@@ -175,7 +153,7 @@ def varying_jobs(tokenizer, rng: random.Random, scale: float) -> tuple[list[Job]
         at = start + rng.expovariate(rate)
         while at < end:
             text = LATENCY_PROMPTS[rng.randrange(len(LATENCY_PROMPTS))]
-            jobs.append(Job(_chat(tokenizer, [text])[0], rng.randint(16, 48), at))
+            jobs.append(Job(chat_prompts(tokenizer, [text])[0], rng.randint(16, 48), at))
             at += rng.expovariate(rate)
     if not jobs:
         raise ValueError("the arrival schedule drew no requests at this --scale: raise it")
@@ -183,11 +161,11 @@ def varying_jobs(tokenizer, rng: random.Random, scale: float) -> tuple[list[Job]
 
 
 def shift_jobs(tokenizer, per_phase: int) -> list[Job]:
-    """Creative prompts, then familiar ones: the draft's agreement shifts mid-run."""
+    """Creative prompts, then structured ones: the draft's agreement shifts mid-run."""
     out = []
-    for texts in (CREATIVE_PROMPTS, familiar_prompts(per_phase)):
+    for texts in (CREATIVE_PROMPTS, STRUCTURED_PROMPTS):
         for i in range(per_phase):
-            out.append(Job(_chat(tokenizer, [texts[i % len(texts)]])[0], 48))
+            out.append(Job(chat_prompts(tokenizer, [texts[i % len(texts)]])[0], 48))
     return out
 
 
@@ -213,7 +191,9 @@ def bench_policies(models: LoadedModels, profile: Profile, out_dir: str, concurr
     shift_policies, shift_cs = ["none", "lut", "adaptive"], [1, 4]
     total = repeat * ((sum(len(j) for j in plan.values()) + len(varying)) * len(policies)
                       + len(shift) * len(shift_policies) * len(shift_cs))
-    _run(models, profile, "fixed:2", uniform_jobs(tok, 2, random.Random(1), 0.5)[:2], 2, False, tqdm(disable=True))  # warm-up
+    warm = [Job(j.prompt, 8) for j in uniform_jobs(tok, 2, random.Random(1), 0.5)[:2]]
+    for p in policies:  # warm-up: every policy once, short (first-call allocations, code paths)
+        _run(models, profile, p, warm, 2, False, tqdm(disable=True))
     with tqdm(total=total, desc="bench policies", unit="req") as bar:
 
         def rounds(label: str, names: list[str], jobs: list[Job], max_batch: int, open_loop: bool) -> dict[str, list[Result]]:
@@ -254,16 +234,19 @@ def bench_policies(models: LoadedModels, profile: Profile, out_dir: str, concurr
                 shift_runs[c] = {p: _median_run(rs) for p, rs in runs.items()}
                 results["shift"][c] = {p: {
                     "creative_mean_latency_s": _med(rs, lambda r: statistics.fmean(r.latencies[:half])),
-                    "familiar_mean_latency_s": _med(rs, lambda r: statistics.fmean(r.latencies[half:])),
+                    "structured_mean_latency_s": _med(rs, lambda r: statistics.fmean(r.latencies[half:])),
                     "creative_acceptance": _med(rs, lambda r: _acceptance(r.per_request[:half])),
-                    "familiar_acceptance": _med(rs, lambda r: _acceptance(r.per_request[half:])),
+                    "structured_acceptance": _med(rs, lambda r: _acceptance(r.per_request[half:])),
                     "mean_latency_s": _med(rs, lambda r: r.mean_latency), "spread": _spread(rs),
                     "mean_k": _med(rs, _mean_k)} for p, rs in runs.items()}
             _plot_shift(out / "shift.png", shift_runs, half)
     if "uniform" in results:
         _plot_uniform(out / "uniform.png", results["uniform"], policies)
+    results["provenance"] = provenance()
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "summary.md").write_text(summary_markdown(results, policies))
+    prov = results["provenance"]
+    (out / "summary.md").write_text(f"<!-- written by {prov['command'] or 'bench_policies()'} on {prov['created']} -->\n"
+                                    + summary_markdown(results, policies))
     return results
 
 
@@ -343,16 +326,16 @@ def summary_markdown(res: dict, policies: list[str]) -> str:
                          f"{x['choose_us_per_step']:.0f} us ({100 * x['choose_share_of_step']:.3f}% of step time) |")
         lines += ["", f"Best fixed k >= 1: {bf} ({bl:.2f}s); best of none and fixed: {bn} ({bnl:.2f}s).", ""]
     if "shift" in res:
-        lines += ["## (c) Workload shift (creative prompts, then familiar ones; closed loop)", "",
+        lines += ["## (c) Workload shift (creative prompts, then structured ones; closed loop)", "",
                   "Acceptance is what speculating policies saw in each phase (lut and adaptive may speculate "
                   "at different k).", "",
-                  "| concurrency | policy | creative | familiar | overall | spread | vs lut | acceptance creative / familiar | mean k |",
+                  "| concurrency | policy | creative | structured | overall | spread | vs lut | acceptance creative / structured | mean k |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for c, rows in res["shift"].items():
             for p, x in rows.items():
-                lines.append(f"| {c} | {p} | {x['creative_mean_latency_s']:.2f}s | {x['familiar_mean_latency_s']:.2f}s | "
+                lines.append(f"| {c} | {p} | {x['creative_mean_latency_s']:.2f}s | {x['structured_mean_latency_s']:.2f}s | "
                              f"{x['mean_latency_s']:.2f}s | {100 * x['spread']:.0f}% | {x['mean_latency_s'] / rows['lut']['mean_latency_s']:.3f}x | "
-                             f"{x['creative_acceptance']:.2f} / {x['familiar_acceptance']:.2f} | {x['mean_k']:.2f} |")
+                             f"{x['creative_acceptance']:.2f} / {x['structured_acceptance']:.2f} | {x['mean_k']:.2f} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -445,10 +428,11 @@ def _plot_shift(path: Path, runs_by_c: dict[int, dict[str, Result]], half: int) 
         for i, (p, r) in enumerate(runs.items()):
             vals = [statistics.fmean(r.latencies[:half]), statistics.fmean(r.latencies[half:])]
             ax.bar([x + 0.27 * (i - 1) for x in (0, 1)], vals, width=0.27, label=p, color=_style(p)["color"])
-        ax.set_xticks([0, 1], ["creative (draft agrees less)", "familiar (draft agrees more)"])
+        ax.set_xticks([0, 1], ["creative", "structured (lists, code edits, rewrites)"])
         ax.set_ylabel("mean request latency (s)")
         ax.set_title(f"(c) workload shift, concurrency {c}")
-        ax.legend(loc="lower center", framealpha=0.9)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.2)  # headroom: the legend sits above the bars, not on them
+        ax.legend(loc="upper center", ncol=3, framealpha=0.9)
         for p in ("lut", "adaptive"):
             r = runs[p]
             ax2.step([t for t, _, _ in r.steps], [k for _, _, k in r.steps], where="post", label=p,

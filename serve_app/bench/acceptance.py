@@ -1,0 +1,34 @@
+"""`specserve bench acceptance`: how well a draft agrees with its target where it was not trained.
+
+Acceptance and tokens per step (accepted + 1) at fixed:K, greedy, on each evaluation prompt set
+(serve_app/prompt_sets.py: none of them a distillation or profiling prompt). Counts, not timings:
+the same on a busy machine as on a quiet one.
+"""
+
+from __future__ import annotations
+
+from tqdm import tqdm
+
+from ..config import ModelConfig
+from ..models import load_models
+from ..prompt_sets import EVAL_SETS, chat_prompts
+from .engine import engine_run
+
+
+def bench_acceptance(mc: ModelConfig, k: int, max_tokens: int, batch: int) -> tuple[dict, str]:
+    """Returns (results, markdown report); results["sets"][name] = {acceptance, tokens_per_step, ...}."""
+    models = load_models(mc)
+    res = {"target": models.target_name, "draft": models.draft_name, "k": k, "max_tokens": max_tokens,
+           "batch": batch, "sets": {}}
+    with tqdm(total=sum(len(v) for v in EVAL_SETS.values()), desc="bench acceptance", unit="req") as bar:
+        for name, texts in EVAL_SETS.items():
+            run = engine_run(models, f"fixed:{k}", chat_prompts(models.tokenizer, texts), max_tokens, batch, bar)
+            res["sets"][name] = {"prompts": len(texts), "proposed": run.proposed, "accepted": run.accepted,
+                                 "acceptance": run.acceptance, "tokens_per_step": run.tokens_per_step}
+    lines = [f"# bench acceptance: target {res['target']}, draft {res['draft']}", "",
+             f"fixed:{k}, greedy, up to {max_tokens} tokens per prompt, batch {batch}; counts, not timings.", "",
+             "| prompt set | prompts | proposed | accepted | acceptance | tokens/step |", "|---|---|---|---|---|---|"]
+    for name, s in res["sets"].items():
+        lines.append(f"| {name} | {s['prompts']} | {s['proposed']} | {s['accepted']} | {s['acceptance']:.3f} | "
+                     f"{s['tokens_per_step']:.2f} |")
+    return res, "\n".join(lines) + "\n"

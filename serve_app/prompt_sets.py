@@ -1,0 +1,116 @@
+"""Named prompt sets, each with one job, kept apart so no figure is measured on its own training data.
+
+- PROFILE_PROMPTS: what `specserve profile` measures latency and acceptance on. A profile's acceptance
+  steers lut and adaptive, so it must not be measured on the prompts those policies are judged on.
+- Evaluation sets (EVAL_SETS): BENCH_PROMPTS (everyday chat), CREATIVE_PROMPTS (unusual requests, the
+  draft agrees less) and STRUCTURED_PROMPTS (lists, code edits, rewrites: answers that repeat or follow
+  the request's own text, the draft agrees more). The benchmarks run on these only.
+- Distillation's seed prompts (`distill.seed_prompts`, templates x topics) are the training set.
+
+tests/test_prompt_sets.py asserts the sets are pairwise disjoint and that no profile or evaluation
+prompt is an instance of a distillation template (not just a different string of the same kind).
+"""
+
+from __future__ import annotations
+
+from .prompts import encode_chat
+
+BENCH_PROMPTS = [
+    "Explain why the sky is blue in two short paragraphs.",
+    "Implement a palindrome check in Python and explain it briefly.",
+    "List five tips for staying focused while studying.",
+    "Tell a short story about a robot who learns to paint.",
+    "What is the difference between a list and a tuple in Python?",
+    "Summarize the water cycle for a ten-year-old.",
+    "Give me a recipe for a simple tomato soup.",
+    "Describe the rules of chess in a few sentences.",
+    "Compose a haiku about falling autumn leaves.",
+    "How does a bicycle stay upright while moving?",
+    "Compare cats and dogs as pets.",
+    "Explain what a hash table is and when to use one.",
+    "Write a polite email asking a colleague for a meeting.",
+    "What are the main causes of inflation?",
+    "Describe a sunset over the ocean.",
+    "Give three arguments for learning a second language.",
+]
+"""Everyday chat requests: bench engine, bench http, bench policies (a) and (b), bench acceptance."""
+
+CREATIVE_PROMPTS = [
+    "Invent a new holiday and describe how people celebrate it.",
+    "Write a short poem about a lonely lighthouse in a storm.",
+    "Describe the taste of a fruit that does not exist.",
+    "Tell a story about a clock that runs backwards.",
+    "Imagine a city built inside a giant tree. What is daily life like?",
+    "Write a letter from a cat to its owner complaining about Mondays.",
+    "Describe a dream you might have after reading about the ocean.",
+    "Create a myth that explains why the stars twinkle.",
+]
+"""Unusual requests, unlike anything the draft was distilled on: the draft agrees less."""
+
+STRUCTURED_PROMPTS = [
+    "Rewrite this sentence in the passive voice: The committee approved the new budget on Tuesday.",
+    "Fix the bug in this Python function and show the corrected code:\n\ndef average(xs):\n"
+    "    total = 0\n    for x in xs:\n        total += x\n    return total / len(x)",
+    "Turn this shopping list into a numbered list: apples, bread, milk, eggs, cheese, rice, onions.",
+    "Rename the variable n to count in this code and return the whole code:\n\nn = 0\nfor line in open('log.txt'):\n"
+    "    if 'ERROR' in line:\n        n += 1\nprint(n)",
+    "Sort these words alphabetically, one per line: pear, banana, cherry, apple, mango, grape, kiwi.",
+    "Convert these field names to snake_case: firstName, lastName, dateOfBirth, emailAddress, phoneNumber.",
+    "Turn this paragraph into three bullet points: Our team moved to a new office in March. The new office "
+    "is closer to the train station. Everyone now has a standing desk.",
+    "Add type hints to this Python function:\n\ndef scale(values, factor):\n    return [v * factor for v in values]",
+    "Convert this JSON to YAML: {\"name\": \"Ada\", \"age\": 36, \"languages\": [\"English\", \"French\"], \"active\": true}",
+    "Make a markdown table of the days of the week with their three-letter abbreviations.",
+    "Correct the spelling in this text: Yesterday I recieved a pacakge with a beatiful blue vase and a "
+    "handwriten note.",
+    "Rewrite this message so it sounds more formal: hey, can u send me the report by friday? thx",
+    "Write a Python dictionary mapping each month name to its number of days in a non-leap year.",
+    "Rewrite this JavaScript function with arrow syntax: function add(a, b) { return a + b; }",
+    "Give the plural of each word, one per line: cat, box, child, mouse, leaf, bus, tooth.",
+    "Repeat this list in reverse order: red, orange, yellow, green, blue, indigo, violet.",
+]
+"""Lists, code edits, rewrites written for evaluation: answers that copy or follow the request's text."""
+
+PROFILE_PROMPTS = [
+    "How do airplanes generate lift?",
+    "Suggest a weekend itinerary for a first visit to a big city.",
+    "What should I pack for a three-day hiking trip?",
+    "Explain the difference between weather and climate.",
+    "Tell me about the life cycle of a frog.",
+    "How can I make my morning routine more productive?",
+    "Describe how a refrigerator keeps food cold.",
+    "What are good habits for writing clean code?",
+    "Explain compound interest with a small example.",
+    "Why do cats purr?",
+    "Give advice to someone starting their first job.",
+    "How does a search engine decide which pages to show?",
+    "Describe the smell of a forest after rain.",
+    "What is the role of a referee in a football match?",
+    "Explain how vaccines train the immune system in simple terms.",
+    "Recommend three ways to reduce food waste at home.",
+    "How does a thermostat work?",
+    "Tell a bedtime story about a sleepy owl.",
+    "What makes a good team leader?",
+    "Explain what an API is to a non-programmer.",
+    "Why do we have leap years?",
+    "Describe a busy market on a Saturday morning.",
+    "How do noise-cancelling headphones work?",
+    "What are the benefits of reading fiction?",
+    "Explain recursion using a real-world analogy.",
+    "How should I prepare for a long flight?",
+    "What causes the seasons on Earth?",
+    "Write a short thank-you note to a neighbour who watered my plants.",
+    "How do bees make honey?",
+    "Give tips for taking better photos with a phone.",
+    "What is the difference between a virus and a bacterium?",
+    "Describe how bread rises.",
+]
+"""Profiling only (latency grid rows up to batch 32, acceptance per draft position)."""
+
+EVAL_SETS = {"benchmark": BENCH_PROMPTS, "creative": CREATIVE_PROMPTS, "structured": STRUCTURED_PROMPTS}
+
+
+def chat_prompts(tokenizer, texts: list[str], n: int | None = None) -> list[list[int]]:
+    """Token ids of the first n texts as single-turn chats (cycled if n exceeds the set)."""
+    n = len(texts) if n is None else n
+    return [encode_chat(tokenizer, [{"role": "user", "content": texts[i % len(texts)]}]) for i in range(n)]
