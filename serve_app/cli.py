@@ -304,8 +304,9 @@ def _cmd_bench_engine(args) -> int:
     from .bench.engine import bench_engine
 
     ks = int_list(args.ks, "--ks")
-    if args.rounds < 1 or args.num_prompts < 1 or args.concurrency < 1 or args.max_tokens < 1 or any(k < 1 for k in ks):
-        raise UsageError("need --rounds, --num-prompts, --concurrency, --max-tokens >= 1 and --ks values >= 1")
+    if args.rounds < 1 or args.num_prompts < 1 or args.concurrency < 2 or args.max_tokens < 1 or any(k < 1 for k in ks):
+        raise UsageError("need --rounds, --num-prompts, --max-tokens >= 1, --concurrency >= 2 (batch 1 is measured "
+                         "anyway) and --ks values >= 1")
     _write_bench(args, "engine", *bench_engine(_bench_model(args), args.max_tokens, args.num_prompts, ks,
                                                 args.concurrency, args.rounds))
     return 0

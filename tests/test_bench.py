@@ -56,4 +56,5 @@ def test_bench_engine_compares_like_with_like(tiny_model_dirs, tmp_path, capsys)
     assert json.loads((tmp_path / "eng.json").read_text())["rounds"] == 1
     assert "identical to HF" in (tmp_path / "eng.md").read_text() and "results:" in capsys.readouterr().out
     assert main(["bench", "engine", "--target", tiny_model_dirs["target"], "--rounds", "0"]) == 2
+    assert main(["bench", "engine", "--target", tiny_model_dirs["target"], "--concurrency", "1"]) == 2
     assert main(["bench", "http", "--target", tiny_model_dirs["target"], "--policy", "adaptive"]) == 2

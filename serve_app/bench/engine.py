@@ -123,7 +123,8 @@ def bench_engine(mc: ModelConfig, max_tokens: int = 64, num_prompts: int = 4, ks
         chosen = (single if batch == 1 else many)[: 2 if warm and batch == 1 else None]
         return engine_run(models, policy, chosen, toks, batch, bar)
 
-    with tqdm(total=per_round * rounds + 2 * (1 + len(policies)) + len(policies) * concurrency,
+    warm_up = min(2, n_all) + len(policies) * (min(2, num_prompts) + concurrency)
+    with tqdm(total=per_round * rounds + warm_up,
               desc="bench engine", unit="req") as bar:
         bar.set_postfix_str("warm-up")
         for side in sides:  # every side once, short: first-call allocations, thread pools, caches
