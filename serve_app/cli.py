@@ -339,7 +339,7 @@ def _app_config(args) -> dict:
 
 
 def _cmd_distill(args) -> int:
-    from .distill import distill
+    from .drafting.distill import distill
     from .models import load_target
 
     if args.layers < 1 or args.tokens < 16 or args.prompts < 1 or args.epochs < 1 or args.samples < 0:

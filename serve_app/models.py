@@ -66,7 +66,7 @@ def display_name(spec: str) -> str:
     if spec.startswith("truncated:") or spec == "none":
         return spec
     name = spec.rstrip("/").split("/")[-1]
-    from .draft import draft_id
+    from .drafting.layers import draft_id
 
     ident = draft_id(spec)  # distilled drafts: name@weights-hash, so a re-distilled one is told apart
     return f"{name}@{ident}" if ident else name
@@ -86,7 +86,7 @@ def load_draft(spec: str, target: nn.Module, tokenizer, dtype: str = "float32", 
         return truncated_draft(target, int(n))
     if spec == EMBEDDED:
         spec = str(embedded_gguf())
-    from .draft import is_draft_dir, load_draft_dir
+    from .drafting.layers import is_draft_dir, load_draft_dir
 
     if is_draft_dir(spec):  # a distilled draft: its own weights + the target's shared ones
         return load_draft_dir(spec, target)

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from .config import EngineConfig, ModelConfig, SamplingParams
 from .models import LoadedModels, load_models, model_names
 from .policy import FixedK
-from .prompt_sets import PROFILE_PROMPTS, chat_prompts
+from .bench.prompt_sets import PROFILE_PROMPTS, chat_prompts
 from .profiles import (LatencyGrid, Profile, best_k_table, detect_gpu_type, fit_acceptance_rate, ms_per_token,
                        save_profile)
 from .scheduler import Engine

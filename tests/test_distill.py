@@ -7,8 +7,8 @@ import torch
 
 from conftest import IdTokenizer, make_tokenizer, tiny_llama
 from serve_app.config import EngineConfig, SamplingParams
-from serve_app.distill import continue_prompts, distill, make_data, seed_prompts
-from serve_app.draft import CONFIG_FILE, WEIGHTS_FILE, load_draft_dir
+from serve_app.drafting.distill import continue_prompts, distill, make_data, seed_prompts
+from serve_app.drafting.layers import CONFIG_FILE, WEIGHTS_FILE, load_draft_dir
 from serve_app.models import load_draft
 from serve_app.scheduler import Engine
 from serve_app.worker import ModelWorker
@@ -125,7 +125,7 @@ def test_seed_prompts_are_varied_and_reproducible():
 
 
 def test_fingerprint_survives_a_dtype_change(distilled):
-    from serve_app.draft import target_fingerprint
+    from serve_app.drafting.layers import target_fingerprint
 
     target = distilled[0]
     import copy
@@ -134,7 +134,7 @@ def test_fingerprint_survives_a_dtype_change(distilled):
 
 
 def test_a_redistilled_draft_gets_another_name_so_old_profiles_do_not_match(distilled, tmp_path):
-    from serve_app.draft import save_draft
+    from serve_app.drafting.layers import save_draft
     from serve_app.models import display_name
 
     target, tok, out, meta = distilled

@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-from serve_app import distill
-from serve_app.prompt_sets import EVAL_SETS, PROFILE_PROMPTS
+from serve_app.drafting import distill
+from serve_app.bench.prompt_sets import EVAL_SETS, PROFILE_PROMPTS
 
 TEMPLATES = distill.TEMPLATES + distill.MORE_TEMPLATES + distill.CODE_TEMPLATES + distill.MORE_CODE_TEMPLATES
 

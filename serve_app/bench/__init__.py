@@ -6,5 +6,5 @@ One module per benchmark (no import circles: rounds.py and engine.py's runners a
   http.py        the HTTP service vs the offline engine at the same concurrency
   policies.py    the paper's experiments: every policy under uniform, time-varying and shifting load
   rounds.py      what they share: interleaved rounds, medians and spread, results files under results/
-Prompts come from serve_app/prompt_sets.py (evaluation sets only; never the profile's or distillation's).
+Prompts come from serve_app/bench/prompt_sets.py (evaluation sets only; never the profile's or distillation's).
 """

@@ -1,7 +1,7 @@
 """`specserve bench acceptance`: how well a draft agrees with its target where it was not trained.
 
 Acceptance and tokens per step (accepted + 1) at fixed:K, greedy, on each evaluation prompt set
-(serve_app/prompt_sets.py: none of them a distillation or profiling prompt). Counts, not timings:
+(serve_app/bench/prompt_sets.py: none of them a distillation or profiling prompt). Counts, not timings:
 the same on a busy machine as on a quiet one.
 """
 
@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from ..config import ModelConfig
 from ..models import load_models
-from ..prompt_sets import EVAL_SETS, chat_prompts
+from .prompt_sets import EVAL_SETS, chat_prompts
 from .engine import engine_run
 
 

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from ..config import EngineConfig, ModelConfig, SamplingParams
 from ..models import load_models
-from ..prompt_sets import BENCH_PROMPTS, chat_prompts
+from .prompt_sets import BENCH_PROMPTS, chat_prompts
 from ..scheduler import Engine
 from .rounds import fmt_ratio, rotated, summary
 

@@ -10,7 +10,7 @@
     table) against adaptive (follows the live acceptance).
 Policies compared: none, fixed:1..K, lut, adaptive, all with the profile of this hardware type.
 Greedy decoding throughout, so every policy produces the same tokens and only time differs. Every
-prompt comes from the evaluation sets (serve_app/prompt_sets.py): none is a distillation prompt or
+prompt comes from the evaluation sets (serve_app/bench/prompt_sets.py): none is a distillation prompt or
 one the profile was measured on.
 """
 
@@ -30,7 +30,7 @@ from ..config import EngineConfig, SamplingParams
 from ..models import LoadedModels
 from ..policy import BatchState, make_policy
 from ..profiles import Profile
-from ..prompt_sets import BENCH_PROMPTS, CREATIVE_PROMPTS, STRUCTURED_PROMPTS, chat_prompts
+from .prompt_sets import BENCH_PROMPTS, CREATIVE_PROMPTS, STRUCTURED_PROMPTS, chat_prompts
 from ..scheduler import Engine
 from ..stats import StepStats
 from .rounds import provenance

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .draft import ReducedVocabDraft, save_draft
-from .prompts import encode_chat
+from .layers import ReducedVocabDraft, save_draft
+from ..prompts import encode_chat
 
 TOPICS = [
     "volcanoes", "the moon landing", "photosynthesis", "black holes", "the French revolution", "honey bees",
