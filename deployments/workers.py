@@ -1,8 +1,10 @@
 """DraftWorker and TargetWorker: Ray actors that each host one model and its sequences' KV state.
 
-Both wrap `serve_app.worker.ModelWorker`; the Router talks to them through `RemoteWorker`, a proxy
-with the same methods, so the engine's step runs unchanged across actors. Per step only token ids
-(and, when sampling, the draft's distributions, sparse when top-k/top-p allow) cross between them.
+The target wraps `serve_app.worker.ModelWorker`, the draft whatever worker its kind needs
+(`serve_app.drafting.draft_worker`); the Router talks to them through `RemoteWorker`, a proxy with
+the same methods, so the engine's step runs unchanged across actors. Per step only token ids (and,
+when sampling, the draft's distributions, sparse when top-k/top-p allow; for an EAGLE-style draft,
+the target's features of the positions it made final) cross between them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import ray
 import torch
 
 from serve_app.config import ModelConfig
+from serve_app.drafting import draft_worker
 from serve_app.models import draft_spec, load_draft, load_target
 from serve_app.worker import ModelWorker
 
@@ -27,8 +30,11 @@ class _ModelHost:
         torch.set_num_threads(torch_threads or os.cpu_count() or 1)
         mc = ModelConfig(**model)
         target, tokenizer, _ = load_target(mc.target, mc.dtype, mc.device)
-        chosen = target if self.role == "target" else load_draft(draft_spec(mc), target, tokenizer, mc.dtype, mc.device)
-        self.worker = ModelWorker(chosen, self.role, tokenizer.pad_token_id or 0)
+        pad = tokenizer.pad_token_id or 0
+        if self.role == "target":
+            self.worker = ModelWorker(target, "target", pad)
+        else:
+            self.worker = draft_worker(load_draft(draft_spec(mc), target, tokenizer, mc.dtype, mc.device), pad)
 
     def call(self, method: str, *args):
         return getattr(self.worker, method)(*args)
@@ -67,8 +73,8 @@ class RemoteWorker:
     def remove(self, seq_ids):
         return self._call("remove", seq_ids)
 
-    def prefill(self, seq_ids):
-        return self._call("prefill", seq_ids)
+    def prefill(self, seq_ids, features=None):
+        return self._call("prefill", seq_ids, features)
 
     def propose(self, seq_ids, k):
         return self._call("propose", seq_ids, k)
@@ -76,8 +82,11 @@ class RemoteWorker:
     def verify(self, seq_ids, proposal):
         return self._call("verify", seq_ids, proposal)
 
-    def commit(self, seq_ids, new_tokens):
-        return self._call("commit", seq_ids, new_tokens)
+    def commit(self, seq_ids, new_tokens, features=None):
+        return self._call("commit", seq_ids, new_tokens, features)
+
+    def capture_features(self, layers):
+        return self._call("capture_features", layers)
 
     def info(self) -> dict:
         return self._call("info")

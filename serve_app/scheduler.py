@@ -80,6 +80,10 @@ class Engine:
             eos_ids = set(info["eos_ids"]) or ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self.eos_ids = eos_ids
         self.vocab_size = vocab_size or info["vocab_size"]
+        if draft is not None and draft.info().get("feature_layers"):
+            # An EAGLE-style draft reads the target's hidden states: the target returns them with
+            # every verification, for the positions that verification made final.
+            target.capture_features(draft.info()["feature_layers"])
         self.waiting: deque[Request] = deque()
         # Guards every change to `waiting`: `_admit` (step thread) peeks the head and then pops it, while
         # `abort` (event-loop thread) may remove any entry; a removal between that peek and pop would
@@ -93,9 +97,11 @@ class Engine:
 
     @classmethod
     def from_models(cls, models, config: EngineConfig | None = None, policy: Policy | None = None) -> "Engine":
+        from .drafting import draft_worker
+
         pad = models.tokenizer.pad_token_id or 0
         target = ModelWorker(models.target, "target", pad)
-        draft = ModelWorker(models.draft, "draft", pad) if models.draft is not None else None
+        draft = draft_worker(models.draft, pad) if models.draft is not None else None
         return cls(target, draft, models.tokenizer, config, policy)
 
     # ---- requests ----------------------------------------------------------------------------
@@ -165,12 +171,12 @@ class Engine:
             proposal = self.draft.propose(ids, k) if k > 0 else Proposal(torch.zeros((len(ids), 0), dtype=torch.long))
             st.draft_s += time.perf_counter() - t
             t = time.perf_counter()
-            num_accepted, next_tokens = self.target.verify(ids, proposal)
+            num_accepted, next_tokens, features = self.target.verify(ids, proposal)
             st.verify_s += time.perf_counter() - t
             new = [d[:n] + [nt] for d, n, nt in zip(proposal.tokens.tolist(), num_accepted, next_tokens)]
             if self.draft is not None:
                 t = time.perf_counter()
-                self.draft.commit(ids, new)
+                self.draft.commit(ids, new, features)
                 st.draft_s += time.perf_counter() - t
             st.batch_size, st.k, st.proposed = len(ids), k, k * len(ids)
             st.backlog_checked, st.backlog_matched = proposal.backlog
@@ -209,11 +215,11 @@ class Engine:
             if w is not None:
                 w.add(ids, [r.prompt_ids for r in new], [r.params for r in new])
         t = time.perf_counter()
-        _, first = self.target.verify(ids, Proposal(torch.zeros((len(ids), 0), dtype=torch.long)))
+        _, first, features = self.target.verify(ids, Proposal(torch.zeros((len(ids), 0), dtype=torch.long)))
         st.verify_s += time.perf_counter() - t
         if self.draft is not None:
             t = time.perf_counter()
-            self.draft.prefill(ids)
+            self.draft.prefill(ids, features)
             self.draft.commit(ids, [[f] for f in first])
             st.draft_s += time.perf_counter() - t
         st.prefilled = len(new)

@@ -3,9 +3,10 @@
 The engine drives a pair of these; the Ray deployments wrap each in its own actor. Only token ids
 (and, when sampling, the draft distributions) cross between them:
 
-  draft.propose(ids, k)           -> Proposal: k tokens per sequence (+ q when sampling)
-  target.verify(ids, proposal)    -> accepted count and one recovered/bonus token per sequence
-  draft.commit(ids, new_tokens)   -> draft appends what was accepted, rolls back the rest
+  draft.propose(ids, k)                     -> Proposal: k tokens per sequence (+ q when sampling)
+  target.verify(ids, proposal)              -> Verdict: accepted count and one recovered/bonus token per
+                                               sequence (+ the target's features, for drafts that read them)
+  draft.commit(ids, new_tokens, features)   -> draft appends what was accepted, rolls back the rest
 
 A sequence's `tokens` are its committed tokens (prompt + output); positions [0, kv_len) of its KV row
 hold tokens[:kv_len]; tokens[kv_len:] are pending and get fed at the start of the next forward.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -56,6 +58,19 @@ class Proposal:
         return torch.zeros((*self.probs.shape[:2], vocab), dtype=self.probs.dtype).scatter_(-1, self.support, self.probs)
 
 
+class Verdict(NamedTuple):
+    """What verification decided for each sequence of the batch."""
+
+    num_accepted: list[int]
+    next_tokens: list[int]
+    """The recovered (at the first rejection) or bonus (after a full accept) target token."""
+    features: list[torch.Tensor] | None = None
+    """Only when the target captures features (`capture_features`): per sequence, [n, F] bfloat16
+    hidden states of the n positions this forward made final (the pending tokens and the accepted
+    drafts; at prefill the whole prompt), F = hidden size x captured layers. bfloat16: half the bytes
+    of float32 across actors, with float32's range (residual streams can exceed float16's)."""
+
+
 @dataclass
 class Sequence:
     tokens: list[int]
@@ -81,6 +96,8 @@ class ModelWorker:
         self.cache = SlotKVCache()
         self.seqs: dict[str, Sequence] = {}
         self.order: list[str] = []  # order[row] = sequence id
+        self.feature_layers: list[int] = []  # target: residual-stream inputs of these layers are captured
+        self._captured: dict[int, torch.Tensor] = {}  # layer id -> [B, T, H] of the current forward
 
     # ---- lifecycle -------------------------------------------------------------------------
     def add(self, seq_ids: list[str], prompts: list[list[int]], params: list[SamplingParams]) -> None:
@@ -106,8 +123,9 @@ class ModelWorker:
         self.order = new_order
 
     @torch.inference_mode()
-    def prefill(self, seq_ids: list[str]) -> None:
-        """Feed every pending token so the KV catches up (draft: prompts of new sequences)."""
+    def prefill(self, seq_ids: list[str], features: list[torch.Tensor] | None = None) -> None:
+        """Feed every pending token so the KV catches up (draft: prompts of new sequences). A draft
+        that reads no target features ignores them."""
         seqs = self._rows(seq_ids)
         self._forward(seq_ids, [s.tokens[s.kv_len :] for s in seqs], keep=1)
         for s in seqs:
@@ -140,8 +158,9 @@ class ModelWorker:
         any_sampled = any(not s.params.greedy for s in seqs)
         return Proposal(torch.stack(tokens, 1), torch.stack(probs, 1) if any_sampled else None, backlog=backlog).compact()
 
-    def commit(self, seq_ids: list[str], new_tokens: list[list[int]]) -> None:
-        """Append each sequence's accepted drafts + target token; keep only KV that is still valid."""
+    def commit(self, seq_ids: list[str], new_tokens: list[list[int]], features: list[torch.Tensor] | None = None) -> None:
+        """Append each sequence's accepted drafts + target token; keep only KV that is still valid.
+        (`features` are for drafts that read the target's; this one does not.)"""
         for sid, new in zip(seq_ids, new_tokens):
             s = self.seqs[sid]
             committed = len(s.tokens)
@@ -153,11 +172,11 @@ class ModelWorker:
 
     # ---- target side -------------------------------------------------------------------------
     @torch.inference_mode()
-    def verify(self, seq_ids: list[str], proposal: Proposal) -> tuple[list[int], list[int]]:
+    def verify(self, seq_ids: list[str], proposal: Proposal) -> Verdict:
         """Score pending + k draft tokens of every sequence in ONE forward; accept; commit.
 
-        Returns (num_accepted, next_token) per sequence. With k = 0 this is one plain decoding step
-        (and, for a new sequence, its prefill: the pending tokens are the whole prompt).
+        Returns a Verdict per sequence. With k = 0 this is one plain decoding step (and, for a new
+        sequence, its prefill: the pending tokens are the whole prompt).
         """
         seqs = self._rows(seq_ids)
         drafts = proposal.tokens.tolist()
@@ -181,10 +200,43 @@ class ModelWorker:
             q = proposal.dense_probs(p.shape[-1])[sb] if k > 0 else p[:, :0]
             n, t = accept_sampled(proposal.tokens[sb], q, p, u[:, :k], u[:, k])
             num_acc[sb], next_tok[sb] = n, t
+        pending = [len(s.tokens) - s.kv_len for s in seqs]  # fed before the drafts; all now final
         for s, n_b, d, t, length in zip(seqs, num_acc.tolist(), drafts, next_tok.tolist(), lens):
             s.tokens.extend(d[:n_b] + [t])
             s.kv_len = length + n_b  # KV through the last accepted draft; t is pending
-        return num_acc.tolist(), next_tok.tolist()
+        features = self._features(pending, num_acc.tolist(), k) if self.feature_layers else None
+        return Verdict(num_acc.tolist(), next_tok.tolist(), features)
+
+    # ---- target features (for drafts that read them, EAGLE-style) -----------------------------
+    def capture_features(self, layers: list[int]) -> None:
+        """From now on, verify() also returns the residual stream entering each of `layers` (layer
+        id == the layer count means the output of the last layer, before the final norm)."""
+        decoder = self.model.model
+        n = len(decoder.layers)
+        if not layers or any(not 0 <= i <= n for i in layers):
+            raise ValueError(f"feature layers {layers} do not fit a target of {n} layers (ids 0..{n})")
+        if self.feature_layers:
+            if layers != self.feature_layers:
+                raise ValueError(f"target already captures layers {self.feature_layers}, not {layers}")
+            return
+
+        def hook(i):
+            def grab(module, args, kwargs):
+                self._captured[i] = args[0] if args else kwargs["hidden_states"]
+            return grab
+
+        for i in layers:
+            (decoder.layers[i] if i < n else decoder.norm).register_forward_pre_hook(hook(i), with_kwargs=True)
+        self.feature_layers = list(layers)
+
+    def _features(self, pending: list[int], accepted: list[int], k: int) -> list[torch.Tensor]:
+        """Per row, the captured features of the positions this forward made final: its pending
+        tokens and its accepted drafts. Rows are left-padded, so row b's fed tokens are its last
+        pending[b] + k columns."""
+        h = torch.cat([self._captured.pop(i) for i in self.feature_layers], dim=-1)  # [B, T, F]
+        width = h.shape[1]
+        return [h[b, width - p - k : width - k + n].to(torch.bfloat16).cpu()
+                for b, (p, n) in enumerate(zip(pending, accepted))]
 
     def info(self) -> dict:
         """What the engine needs to know about this model without holding it."""

@@ -3,4 +3,17 @@
   layers.py   ReducedVocabDraft: the target's first layers + shared embeddings + a reduced-vocabulary
               head (FR-Spec style); its checkpoint format (specserve_draft.json + model.safetensors)
   distill.py  `specserve distill`: seed prompts -> the target's text and distributions -> training
+
+A draft is hosted by a worker with the engine's draft interface: add, remove, prefill(ids, features),
+propose(ids, k) -> Proposal, commit(ids, new_tokens, features), info(). A draft whose info() names
+`feature_layers` gets the target's hidden states at those layers with every verification.
 """
+
+
+def draft_worker(draft, pad_id: int = 0):
+    """The worker that hosts a loaded draft: a causal LM (layer-copy, truncated, any HF model) runs in
+    a ModelWorker; drafts of other kinds bring their own worker class (`draft.worker_class`)."""
+    from ..worker import ModelWorker
+
+    cls = getattr(draft, "worker_class", None)
+    return cls(draft, pad_id) if cls is not None else ModelWorker(draft, "draft", pad_id)
