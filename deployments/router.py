@@ -51,6 +51,7 @@ class Router:
         info = await self.actors[0].call.remote("info")
         self.gpu_type = self.group.gpu_type or info["gpu_type"]
         self.model_pair = model_names(mc)
+        self.dtype = info["dtype"]  # what `auto` resolved to on the target's node
         self.profile_problem: str | None = None
         self.profile_version, self.profile = await self._fetch_profile()
         self.engine = Engine(target, draft, load_tokenizer(mc.target), self.engine_config, self._policy())
@@ -94,7 +95,7 @@ class Router:
             try:
                 if self.profile is None:
                     raise ValueError(f"no profile for hardware type {self.gpu_type} yet")
-                self.profile.check_pair(*self.model_pair)
+                self.profile.check_pair(*self.model_pair, self.dtype)
                 return make_policy(spec, self.profile)
             except ValueError as e:
                 self.profile_problem = str(e)

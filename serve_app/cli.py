@@ -100,9 +100,18 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("distill", help="train a small reduced-vocabulary draft on text the target generates")
     d.add_argument("--target", default=EMBEDDED)
     d.add_argument("--out", required=True, help="output directory (re-running with it resumes)")
+    d.add_argument("--method", choices=("layers", "eagle3"), default="layers",
+                   help="layers: the target's first layers, retrained; eagle3: one layer over the target's features")
+    d.add_argument("--steps", type=int, default=3, help="eagle3: draft steps unrolled in training (training-time test)")
+    d.add_argument("--feature-layers", default=None,
+                   help="eagle3: comma-separated target layers whose inputs the draft reads (default 2, N//2, N-3)")
     d.add_argument("--layers", type=int, default=2, help="draft decoder layers (initialised from the target's first)")
     d.add_argument("--tokens", type=int, default=8192, help="size of the reduced vocabulary")
-    d.add_argument("--prompts", type=int, default=2400, help="seed prompts to continue (greedily, then sampled)")
+    d.add_argument("--prompts", default="2400",
+                   help='a number of seed prompts, or a JSONL file of prompts ({"prompt": ...} or {"messages": [...]} '
+                        "per line, e.g. your own traffic) to continue (greedily, then sampled)")
+    d.add_argument("--self-prompts", type=int, default=0,
+                   help="also train on N chat requests the target writes itself (Magpie style; cached in OUT/work)")
     d.add_argument("--samples", type=int, default=1, help="sampled continuations per prompt, besides the greedy one")
     d.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled continuations")
     d.add_argument("--max-tokens", type=int, default=128, help="tokens generated per seed prompt")
@@ -110,7 +119,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--batch-size", type=int, default=16)
     d.add_argument("--lr", type=float, default=1e-3)
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--dtype", default="float32")
+    d.add_argument("--dtype", default="float32",
+                   help="the target's dtype while it generates the training text (the draft trains in float32)")
     d.set_defaults(func=_cmd_distill)
 
     s = sub.add_parser("serve", help="start a local Ray cluster and serve the OpenAI-compatible HTTP endpoint")
@@ -148,7 +158,8 @@ def _parser() -> argparse.ArgumentParser:
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=EMBEDDED, help="embedded (default), hub id, local dir or .gguf")
     p.add_argument("--draft", default=None, help="draft model, truncated:N, or none (default: the target's default)")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (bfloat16 where the hardware has it natively, else float32), float32, bfloat16, float16")
     p.add_argument("--device", default="cpu")
 
 
@@ -340,15 +351,52 @@ def _app_config(args) -> dict:
 
 def _cmd_distill(args) -> int:
     from .drafting.distill import distill
+    from .drafting.self_prompts import load_prompts
     from .models import load_target
 
-    if args.layers < 1 or args.tokens < 16 or args.prompts < 1 or args.epochs < 1 or args.samples < 0:
-        raise UsageError("--layers, --epochs and --prompts must be >= 1, --samples >= 0 and --tokens >= 16")
+    # --prompts: a whole number picks that many seed prompts; anything else names a JSONL file,
+    # read (and checked) now, before the model loads.
+    num_prompts, prompts = (int(args.prompts), None) if args.prompts.lstrip("-").isdigit() else (None, args.prompts)
+    if prompts is not None:
+        if not os.path.isfile(prompts):
+            raise UsageError(f"--prompts {prompts}: no such file (give a number of seed prompts or a JSONL file of prompts)")
+        try:
+            prompts = load_prompts(prompts)
+        except ValueError as e:
+            raise UsageError(f"--prompts: {e}") from None
+    if (args.layers < 1 or args.tokens < 16 or args.epochs < 1 or args.samples < 0 or args.self_prompts < 0
+            or (num_prompts is not None and num_prompts < 0)):
+        raise UsageError("--layers and --epochs must be >= 1, --prompts, --samples and --self-prompts >= 0, --tokens >= 16")
+    if num_prompts == 0 and not args.self_prompts:
+        raise UsageError("nothing to train on: --prompts 0 needs --self-prompts N")
     if args.samples and not 0 < args.temperature <= 2:
         raise UsageError("--temperature must be in (0, 2]")
+    if args.steps < 1:
+        raise UsageError("--steps must be >= 1")
+    layers = None
+    if args.feature_layers:
+        try:
+            layers = [int(x) for x in args.feature_layers.split(",")]
+        except ValueError:
+            raise UsageError(f"--feature-layers: expected comma-separated layer numbers, got {args.feature_layers!r}") from None
     target, tokenizer, name = load_target(args.target, args.dtype)
-    meta = distill(target, tokenizer, name, args.out, args.layers, args.tokens, args.prompts, args.samples,
-                   args.temperature, args.max_tokens, args.epochs, args.batch_size, args.lr, args.seed)
+    if args.method == "eagle3":
+        from .drafting.eagle3_train import distill_eagle3
+
+        n = target.config.num_hidden_layers
+        if layers is not None and (len(layers) != 3 or not all(0 <= i <= n for i in layers)):
+            raise UsageError(f"--feature-layers: three layers in 0..{n} for this target")
+        try:
+            meta = distill_eagle3(target, tokenizer, name, args.out, num_prompts, args.samples, args.temperature,
+                                  args.max_tokens, args.epochs, args.batch_size, args.lr, args.seed, args.tokens,
+                                  args.steps, layers, prompts=prompts, self_prompts=args.self_prompts)
+        except ValueError as e:  # e.g. no default feature layers for a shallow target
+            raise UsageError(str(e)) from None
+        print(f"EAGLE-3 draft written to {args.out} (per epoch: {meta['history']})")
+        return 0
+    meta = distill(target, tokenizer, name, args.out, args.layers, args.tokens, num_prompts, args.samples,
+                   args.temperature, args.max_tokens, args.epochs, args.batch_size, args.lr, args.seed,
+                   prompts=prompts, self_prompts=args.self_prompts)
     print(f"draft written to {args.out} (epoch losses {meta['losses']})")
     return 0
 
@@ -397,14 +445,14 @@ def _cmd_profiles_push(args) -> int:
 
 def find_profile(path: str | None, mc: ModelConfig):
     """The profile at `path`, else profiles/<this hardware type>.json; checked against the model pair."""
-    from .models import model_names
+    from .models import model_names, resolve_dtype
     from .profiles import detect_gpu_type, load_profile
 
     path = path or f"profiles/{detect_gpu_type()}.json"
     if not os.path.isfile(path):
         raise UsageError(f"no profile at {path}: run `specserve profile` on this machine first (or pass --profile)")
     profile = load_profile(path)
-    profile.check_pair(*model_names(mc))
+    profile.check_pair(*model_names(mc), resolve_dtype(mc.dtype, mc.device))
     return profile
 
 

@@ -25,8 +25,9 @@ class ModelConfig(BaseModel):
     (the target's first N layers sharing its weights), or `none`. None picks the target's default
     (the committed distilled draft for the embedded target, no draft otherwise)."""
 
-    dtype: str = "float32"
-    """Weights dtype: float32, bfloat16, float16 or float64."""
+    dtype: str = "auto"
+    """Weights dtype: auto, float32, bfloat16, float16 or float64. `auto` is bfloat16 on hardware with
+    native bfloat16 (recent GPUs, CPUs with avx512_bf16/AMX) and float32 elsewhere (models.resolve_dtype)."""
 
     device: str = "cpu"
     """Device: cpu, cuda, cuda:N, or `auto` (accelerate device_map) for models larger than one GPU."""
@@ -34,8 +35,8 @@ class ModelConfig(BaseModel):
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, v: str) -> str:
-        if v not in ("float32", "bfloat16", "float16", "float64"):
-            raise ValueError(f"unknown dtype {v!r}: use float32, bfloat16, float16 or float64")
+        if v not in ("auto", "float32", "bfloat16", "float16", "float64"):
+            raise ValueError(f"unknown dtype {v!r}: use auto, float32, bfloat16, float16 or float64")
         return v
 
 

@@ -22,6 +22,33 @@ from .config import EMBEDDED, ModelConfig
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def cpu_has_bf16() -> bool:
+    """Native bfloat16 arithmetic on this CPU (avx512_bf16 or AMX)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: str = "cpu") -> str:
+    """The concrete dtype for `dtype` on `device`. `auto`: bfloat16 where the hardware computes it
+    natively (CUDA GPUs that support it, CPUs with avx512_bf16/AMX: about half the memory traffic of a
+    float32 forward, which is what batch-1 decoding waits on), float32 elsewhere. The environment
+    variable SPECSERVE_AUTO_DTYPE pins what `auto` means on a machine (the test suite pins float32,
+    whose greedy outputs are bit-exact across batch shapes)."""
+    if dtype != "auto":
+        return dtype
+    pinned = os.environ.get("SPECSERVE_AUTO_DTYPE")
+    if pinned:
+        if pinned not in DTYPES:
+            raise ValueError(f"SPECSERVE_AUTO_DTYPE={pinned!r}: use one of {sorted(DTYPES)}")
+        return pinned
+    if device != "cpu" and torch.cuda.is_available():
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    return "bfloat16" if cpu_has_bf16() else "float32"
 EMBEDDED_DRAFT = Path(__file__).parent / "drafts" / "smollm2-135m-instruct"
 """Default draft of the embedded target: distilled by `specserve distill`, committed in the repo."""
 
@@ -63,12 +90,14 @@ def display_name(spec: str) -> str:
     """A model spec's name as logs and profiles show it: the same on every machine (no paths)."""
     if spec == EMBEDDED:
         return "SmolLM2-135M-Instruct"
-    if spec.startswith("truncated:") or spec == "none":
+    if spec.startswith("truncated:") or spec in ("none", "ngram"):
         return spec
     name = spec.rstrip("/").split("/")[-1]
+    from .drafting.eagle3_io import eagle3_id
     from .drafting.layers import draft_id
 
-    ident = draft_id(spec)  # distilled drafts: name@weights-hash, so a re-distilled one is told apart
+    # distilled drafts and EAGLE-3 heads: name@weights-hash, so a re-trained one is told apart
+    ident = draft_id(spec) or eagle3_id(spec)
     return f"{name}@{ident}" if ident else name
 
 
@@ -78,7 +107,12 @@ def model_names(cfg: ModelConfig) -> tuple[str, str]:
 
 
 def load_draft(spec: str, target: nn.Module, tokenizer, dtype: str = "float32", device: str = "cpu") -> nn.Module:
-    """A draft for `target`: `truncated:N`, or a separate model whose vocabulary must match."""
+    """A draft for `target`: `truncated:N`, `ngram` (prompt lookup, no model), a distilled draft or EAGLE-3
+    head directory (either format: drafting/eagle3_io.py), or a separate model whose vocabulary must match."""
+    if spec == "ngram":
+        from .drafting.ngram import NgramDraft
+
+        return NgramDraft()
     if spec.startswith("truncated:"):
         n = spec.partition(":")[2]
         if not n.isdigit():
@@ -86,8 +120,11 @@ def load_draft(spec: str, target: nn.Module, tokenizer, dtype: str = "float32", 
         return truncated_draft(target, int(n))
     if spec == EMBEDDED:
         spec = str(embedded_gguf())
+    from .drafting.eagle3_io import is_eagle3_dir, load_eagle3_dir
     from .drafting.layers import is_draft_dir, load_draft_dir
 
+    if is_eagle3_dir(spec):  # before is_draft_dir: specserve's EAGLE-3 format shares its file names
+        return load_eagle3_dir(spec, target)
     if is_draft_dir(spec):  # a distilled draft: its own weights + the target's shared ones
         return load_draft_dir(spec, target)
     draft, draft_tok = _from_pretrained(spec, dtype, device, "draft")
@@ -181,7 +218,7 @@ def _from_pretrained(spec: str, dtype: str, device: str, what: str) -> tuple[nn.
 
 
 def _load_kwargs(spec: str, dtype: str, device: str) -> dict:
-    kwargs: dict = {"dtype": DTYPES[dtype], "attn_implementation": "sdpa"}
+    kwargs: dict = {"dtype": DTYPES[resolve_dtype(dtype, device)], "attn_implementation": "sdpa"}
     if device == "auto":
         kwargs["device_map"] = "auto"
     if spec.endswith(".gguf"):

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from .config import EngineConfig, ModelConfig, SamplingParams
-from .models import LoadedModels, load_models, model_names
+from .models import LoadedModels, load_models, model_names, resolve_dtype
 from .policy import FixedK
 from .bench.prompt_sets import PROFILE_PROMPTS, chat_prompts
 from .profiles import (LatencyGrid, Profile, best_k_table, detect_gpu_type, fit_acceptance_rate, ms_per_token,
@@ -129,7 +129,7 @@ def run_profile(mc: ModelConfig, out: str | None, batch_sizes: list[int], max_k:
         acceptance = measure_acceptance(models, max_k, num_prompts, max_tokens, bar)
     target, draft = model_names(mc)
     profile = Profile(
-        gpu_type=gpu_type, target=target, draft=draft, dtype=mc.dtype, latency=grid, acceptance=acceptance,
+        gpu_type=gpu_type, target=target, draft=draft, dtype=resolve_dtype(mc.dtype, mc.device), latency=grid, acceptance=acceptance,
         acceptance_rate=round(fit_acceptance_rate(acceptance), 4), best_k=best_k_table(grid, acceptance),
         notes=(f"specserve profile: greedy; latency: {reps} rounds after a warm-up round, k visited in a shuffled "
                "order, two steps per visit, the second recorded (median over rounds); torch threads "

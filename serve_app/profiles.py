@@ -121,12 +121,18 @@ class Profile(BaseModel):
             raise ValueError("acceptance values must lie in [0, 1]")
         return self
 
-    def check_pair(self, target: str, draft: str) -> None:
-        """Refuse to steer a model pair with another pair's numbers."""
+    def check_pair(self, target: str, draft: str, dtype: str) -> None:
+        """Refuse to steer a model pair with another pair's numbers, or with numbers measured in another
+        dtype (a bfloat16 forward costs about half a float32 one on CPU, so the best k differs)."""
         if (self.target, self.draft) != (target, draft):
             raise ValueError(
                 f"profile for {self.gpu_type} was measured with target {self.target!r} and draft {self.draft!r}, "
                 f"but this engine runs target {target!r} with draft {draft!r}: profile this pair (`specserve profile`)"
+            )
+        if self.dtype != dtype:
+            raise ValueError(
+                f"profile for {self.gpu_type} was measured in {self.dtype}, but this engine runs {dtype}: "
+                f"profile in {dtype} (`specserve profile --dtype {dtype}`) or serve with --dtype {self.dtype}"
             )
 
 

@@ -11,6 +11,10 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# `--dtype auto` means bfloat16 on CPUs with native bf16 (this one): pin it to float32 here, in this
+# process and the Ray workers it starts, so greedy equality stays bit-exact across batch shapes.
+# Tests of auto itself clear it (test_dtype.py).
+os.environ.setdefault("SPECSERVE_AUTO_DTYPE", "float32")
 
 import pytest
 import torch

@@ -29,6 +29,22 @@ def test_results_files_carry_what_made_them(tmp_path):
     assert m.read_text().startswith("<!-- written by") and "# x" in m.read_text()
 
 
+def test_bench_engine_in_bfloat16_also_measures_hf_generate_in_float32(tiny_model_dirs):
+    """The speed a user starts from is HF generate in float32: a bfloat16 run reports both baselines."""
+    from serve_app.bench.engine import bench_engine
+    from serve_app.config import ModelConfig
+
+    mc = ModelConfig(target=tiny_model_dirs["target"], draft=tiny_model_dirs["draft"], dtype="bfloat16")
+    res, md = bench_engine(mc, max_tokens=4, num_prompts=1, ks=[1], concurrency=2, rounds=1)
+    assert res["dtype"] == "bfloat16"
+    runs = [r["run"] for r in res["rows"]]
+    assert runs[:4] == ["HF generate, batch 1, 1 prompts (baseline)", "HF generate float32, batch 1, 1 prompts",
+                        "HF generate, batch 1, 2 prompts (baseline)", "HF generate float32, batch 1, 2 prompts"]
+    engine_rows = [r for r in res["rows"] if "policy" in r]
+    assert len(engine_rows) == 4 and all(len(r["vs_hf_float32"]["rounds"]) == 1 for r in engine_rows)
+    assert "vs_hf_float32" in res["best_fixed_batch1"] and "| vs HF float32 b1 |" in md
+
+
 def test_bench_engine_compares_like_with_like(tiny_model_dirs, tmp_path, capsys):
     """Tiny models: every side runs every round, ratios are per round, every output matches HF's."""
     from serve_app.bench.engine import bench_engine

@@ -75,9 +75,11 @@ def test_malformed_measured_profiles_say_what_is_wrong(tmp_path, over, message):
 
 def test_a_profile_for_another_model_pair_is_refused():
     p = Profile.model_validate(measured())
-    p.check_pair("t", "d")
+    p.check_pair("t", "d", "float32")
     with pytest.raises(ValueError, match="measured with target 't' and draft 'd'.*runs target 't' with draft 'other'"):
-        p.check_pair("t", "other")
+        p.check_pair("t", "other", "float32")
+    with pytest.raises(ValueError, match="measured in float32, but this engine runs bfloat16.*--dtype bfloat16"):
+        p.check_pair("t", "d", "bfloat16")
 
 
 def test_fitted_acceptance_rate_and_best_k_table():
@@ -101,7 +103,7 @@ def test_committed_profiles_are_usable_for_the_embedded_pair():
     profiles = load_profiles(Path(__file__).resolve().parent.parent / "profiles")
     assert "cpu-2core" in profiles
     for p in profiles.values():
-        p.check_pair(*model_names(ModelConfig()))
+        p.check_pair(*model_names(ModelConfig()), p.dtype)
         assert p.latency is not None and p.acceptance and p.best_k.keys() == set(p.latency.batch_sizes)
         for spec in ("lut", "adaptive"):
             k = make_policy(spec, p).choose(BatchState(batch_size=3, max_k=8))

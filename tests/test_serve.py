@@ -32,7 +32,7 @@ def free_port() -> int:
 
 def write_profile(path, gpu_type, k, **extra):
     """A table-only profile for the served pair (named after its directories, as profiles record them)."""
-    body = {"gpu_type": gpu_type, "target": "target", "draft": "draft", "best_k": {"1": k, "16": k}, **extra}
+    body = {"gpu_type": gpu_type, "target": "target", "draft": "draft", "dtype": "float64", "best_k": {"1": k, "16": k}, **extra}
     path.write_text(json.dumps(body))
     return str(path)
 
@@ -304,6 +304,11 @@ def test_profile_for_another_model_pair_is_not_used(service, tmp_path):
     st = stats("A")
     assert "measured with target 'target' and draft 'another-draft'" in st["profile_problem"]
     assert st["policy"] == "none" and st["k_steps"].get(3, 0) == 0  # decodes plainly, never with the wrong table
+    # the right pair, measured in another dtype (a float32 profile for this float64 group): refused too
+    assert push(write_profile(tmp_path / "A.json", "A", 3, dtype="float32")).returncode == 0
+    time.sleep(1.5)
+    st = stats("A")
+    assert "measured in float32, but this engine runs float64" in st["profile_problem"] and st["policy"] == "none"
 
 
 def test_adaptive_policy_live_estimate_in_stats_and_metrics(service, tmp_path):
@@ -384,3 +389,42 @@ def test_ingress_turns_a_broken_engine_stream_into_an_error_event():
         ev = asyncio.run(_next(events))
         assert ev["finished"] and ev["status"] == 503 and message in ev["error"]
         assert ev["text"] == "" and ev["token_ids"] == []  # what _collect and _sse read
+
+
+@pytest.fixture(scope="module")
+def eagle_client(service):
+    """A second application on the module's cluster: the tiny target with an EAGLE-3 head saved in the
+    published layout (vLLM/SGLang's), one engine group, fixed k = 3. The target's features cross from the
+    TargetWorker actor to the DraftWorker actor with every verification."""
+    import torch
+
+    from deployments.app import build_app
+    from serve_app.drafting.eagle3 import Eagle3Draft
+    from serve_app.drafting.eagle3_io import export_eagle3
+    from serve_app.models import load_target
+
+    head = service["root"] / "eagle3-head"
+    target = load_target(service["model"]["target"], "float64")[0]
+    export_eagle3(Eagle3Draft.from_target(target, torch.arange(target.config.vocab_size), [0, 1, 2]), head, target)
+    cfg = {
+        "model": {**service["model"], "draft": str(head)},
+        "engine": {"policy": "fixed:3", "max_batch_size": 4, "max_model_len": 96},
+        "groups": [{"name": "E", "gpu_type": "E", "torch_threads": 1}],
+        "served_model_name": "tiny-eagle", "profiles_dir": None, "max_tokens_limit": 64,
+    }
+    serve.run(build_app(cfg), name="eagle", route_prefix="/eagle")
+    yield OpenAI(base_url=f"{service['url']}/eagle/v1", api_key="unused", max_retries=0, timeout=120)
+    serve.delete("eagle")
+
+
+def test_eagle3_head_across_actors_gives_the_target_alone_text(service, eagle_client, tmp_path):
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS))
+    assert cli_main(["generate", "--prompts", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "out.jsonl"),
+                     "--target", service["model"]["target"], "--dtype", "float64", "--max-tokens", "16",
+                     "--policy", "none"]) == 0
+    expected = [json.loads(x)["text"] for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    for p, text in zip(PROMPTS, expected):
+        r = eagle_client.completions.create(model="tiny-eagle", prompt=p, max_tokens=16, temperature=0)
+        assert r.choices[0].text == text and r.usage.completion_tokens == 16
+    st = serve.get_deployment_handle("Router-E", "eagle").stats.remote().result()
+    assert st["policy"] == "fixed:3" and st["k_steps"].get(3, 0) > 0  # it speculated, with the head's proposals

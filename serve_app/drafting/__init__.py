@@ -3,6 +3,13 @@
   layers.py   ReducedVocabDraft: the target's first layers + shared embeddings + a reduced-vocabulary
               head (FR-Spec style); its checkpoint format (specserve_draft.json + model.safetensors)
   distill.py  `specserve distill`: seed prompts -> the target's text and distributions -> training
+  eagle3.py   Eagle3Draft: one decoder layer over the target's fused hidden states (EAGLE-3)
+  eagle3_worker.py  EagleWorker: the draft interface for it (real features first, then its own states)
+  eagle3_io.py  EAGLE-3 drafts on disk: specserve's format and the published one vLLM/SGLang load; export
+  eagle3_train.py  `distill --method eagle3`: features in the data, training-time test (unrolled steps)
+  self_prompts.py  chat requests the target writes itself (Magpie style), JSONL prompt files
+  ngram.py    NgramDraft (`--draft ngram`): prompt lookup, copies what followed the longest repeated
+              suffix of the sequence's own context; no model, no forward (its own NgramWorker)
 
 A draft is hosted by a worker with the engine's draft interface: add, remove, prefill(ids, features),
 propose(ids, k) -> Proposal, commit(ids, new_tokens, features), info(). A draft whose info() names

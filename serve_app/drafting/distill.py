@@ -116,11 +116,46 @@ def sampler_seed(seed: int, pass_no: int, chunk: int) -> int:
 
 @torch.inference_mode()
 def continue_prompts(target, prompts: list[list[int]], max_tokens: int, top: int, temperature: float,
-                     pad_id: int, eos_id: int | None, seed: int = 0) -> list[dict]:
+                     pad_id: int, eos_id: int | None, seed: int = 0, feature_layers: list[int] | None = None) -> list[dict]:
     """Continue a batch of prompts with the target (greedy, or sampled at `temperature`) and keep the
     target's top-`top` next-token distribution at every position, prompt included, from the same
     forwards: no second teacher pass. Returns [{'ids', 'start', 'idx' [n, top], 'p' [n, top]}], n = len(ids) - 1.
+    With feature_layers, each dict also holds 'feat' [n, F] bfloat16: the residual stream entering those
+    layers at every position but the last (what an EAGLE-3 draft reads), from the same forwards.
     """
+    with _capturing(target, feature_layers) as grabbed:
+        return _continue(target, prompts, max_tokens, top, temperature, pad_id, eos_id, seed, grabbed)
+
+
+class _capturing:
+    """Pre-hooks on the target's decoder layers (id == layer count: the final norm's input) that keep
+    the latest forward's residual stream per layer id; removed on exit. None when no layers are asked."""
+
+    def __init__(self, target, layers: list[int] | None):
+        self.target, self.layers, self.handles, self.grabbed = target, layers or [], [], None
+
+    def __enter__(self):
+        if not self.layers:
+            return None
+        decoder, self.grabbed = self.target.model, {}
+        n = len(decoder.layers)
+        for i in self.layers:
+            def grab(module, args, kwargs, i=i):
+                self.grabbed[i] = args[0] if args else kwargs["hidden_states"]
+            self.handles.append((decoder.layers[i] if i < n else decoder.norm).register_forward_pre_hook(grab, with_kwargs=True))
+        self.grabbed["layers"] = list(self.layers)
+        return self.grabbed
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+
+def _features(grabbed: dict | None) -> torch.Tensor | None:  # [B, T, F] of the latest forward
+    return None if grabbed is None else torch.cat([grabbed[i] for i in grabbed["layers"]], dim=-1).to(torch.bfloat16)
+
+
+def _continue(target, prompts, max_tokens, top, temperature, pad_id, eos_id, seed, grabbed) -> list[dict]:
     lens = [len(p) for p in prompts]
     width = max(lens)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # left padding
@@ -133,6 +168,8 @@ def continue_prompts(target, prompts: list[list[int]], max_tokens: int, top: int
     out = target(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
     p_all, idx_all = out.logits[:, :-1].float().softmax(-1).topk(top, dim=-1)  # [B, width - 1, top]
     rows = [[(idx_all[b, width - n:], p_all[b, width - n:])] for b, n in enumerate(lens)]  # n - 1 prompt rows
+    feats = _features(grabbed)
+    feat_rows = [[feats[b, width - n:]] for b, n in enumerate(lens)] if feats is not None else None  # n prompt rows
     outputs: list[list[int]] = [[] for _ in prompts]
     live = list(range(len(prompts)))  # the prompt each batch row belongs to
     done = torch.zeros(len(prompts), dtype=torch.bool)  # per batch row
@@ -160,11 +197,18 @@ def continue_prompts(target, prompts: list[list[int]], max_tokens: int, top: int
         out = target(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
                      past_key_values=out.past_key_values, use_cache=True)
         logits = out.logits[:, -1].float()
+        if feat_rows is not None:  # the feature of the token just fed, for the rows still generating
+            feats = _features(grabbed)
+            for j, b in enumerate(live):
+                if not done[j]:
+                    feat_rows[b].append(feats[j, -1:])
     result = []
     for b, prompt in enumerate(prompts):
         idx = torch.cat([r[0] for r in rows[b]]).int()
         p = torch.cat([r[1] for r in rows[b]]).half()
         result.append({"ids": prompt + outputs[b], "start": len(prompt), "idx": idx, "p": p})
+        if feat_rows is not None:
+            result[-1]["feat"] = torch.cat(feat_rows[b])[: len(result[-1]["ids"]) - 1]
     return result
 
 
@@ -174,19 +218,24 @@ def token_set(data: list[dict], n: int, always: set[int]) -> torch.Tensor:
     return torch.tensor(sorted(set(chosen) | always), dtype=torch.long)
 
 
-def batches(data: list[dict], batch_size: int, rng: random.Random):
-    """(input_ids [B, T], teacher ids [B, T, K], teacher probs [B, T, K]); padding has zero mass."""
+def batch_groups(data: list[dict], batch_size: int, rng: random.Random):
+    """The sequences of each training batch, in a random order of batches. Sorted within windows of
+    32 batches so a batch holds sequences of similar length (little padding); the windows and the
+    order of the batches stay random."""
     order = list(range(len(data)))
     rng.shuffle(order)
-    # Sort within windows of 32 batches so a batch holds sequences of similar length (little padding);
-    # the windows and the order of the batches stay random.
     window = batch_size * 32
     order = [j for w in range(0, len(order), window) for j in sorted(order[w : w + window], key=lambda j: len(data[j]["ids"]))]
     groups = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     rng.shuffle(groups)
-    top = data[0]["idx"].shape[1]
     for group in groups:
-        chunk = [data[j] for j in group]
+        yield [data[j] for j in group]
+
+
+def batches(data: list[dict], batch_size: int, rng: random.Random):
+    """(input_ids [B, T], teacher ids [B, T, K], teacher probs [B, T, K]); padding has zero mass."""
+    top = data[0]["idx"].shape[1]
+    for chunk in batch_groups(data, batch_size, rng):
         width = max(len(d["ids"]) for d in chunk) - 1
         ids = torch.zeros((len(chunk), width), dtype=torch.long)
         t_idx = torch.zeros((len(chunk), width, top), dtype=torch.long)
@@ -252,18 +301,21 @@ def train(draft: ReducedVocabDraft, data: list[dict], epochs: int, batch_size: i
     return losses
 
 
-def make_data(target, tokenizer, prompts: list[str], samples: int, temperature: float, max_tokens: int,
-              top: int, batch_size: int, seed: int, data_dir: Path) -> list[dict]:
+def make_data(target, tokenizer, prompts: list[str | list[dict]], samples: int, temperature: float, max_tokens: int,
+              top: int, batch_size: int, seed: int, data_dir: Path, feature_layers: list[int] | None = None) -> list[dict]:
     """A greedy continuation of every prompt, then `samples` sampled ones (more varied contexts, each
     still labelled with the target's own distribution). Chunks of `batch_size` prompts are saved as
-    they finish, so an interrupted run resumes, and a run with more prompts reuses the first ones."""
+    they finish, so an interrupted run resumes, and a run with more prompts reuses the first ones.
+    With feature_layers the chunks also hold the target's features (for an EAGLE-3 draft)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     settings = {"max_tokens": max_tokens, "top": top, "batch_size": batch_size, "temperature": temperature, "seed": seed}
+    if feature_layers:
+        settings["feature_layers"] = list(feature_layers)
     saved = data_dir / "settings.json"
     if saved.exists() and json.loads(saved.read_text()) != settings:
         raise ValueError(f"{data_dir} holds data made with {saved.read_text()}; use those settings or another --out")
     saved.write_text(json.dumps(settings))
-    encoded = [encode_chat(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+    encoded = [encode_chat(tokenizer, p if isinstance(p, list) else [{"role": "user", "content": p}]) for p in prompts]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     jobs = [(s, i) for s in range(1 + samples) for i in range(0, len(encoded), batch_size)]
     data = []
@@ -274,7 +326,7 @@ def make_data(target, tokenizer, prompts: list[str], samples: int, temperature: 
             chunk = torch.load(f) if f.exists() else None
             if chunk is None or [d["ids"][: d["start"]] for d in chunk] != chunk_prompts:
                 chunk = continue_prompts(target, chunk_prompts, max_tokens, top, temperature if s else 0.0,
-                                         pad, tokenizer.eos_token_id, sampler_seed(seed, s, i))
+                                         pad, tokenizer.eos_token_id, sampler_seed(seed, s, i), feature_layers)
                 torch.save(chunk, f)
             data += chunk
             bar.update(1)
@@ -282,16 +334,37 @@ def make_data(target, tokenizer, prompts: list[str], samples: int, temperature: 
     return data
 
 
+def training_prompts(target, tokenizer, prompts: list | None, num_prompts: int | None, self_prompts: int,
+                     seed: int, work: Path, gen_batch_size: int = 64) -> list[str | list[dict]]:
+    """`prompts` (strings or chat message lists, e.g. an operator's own traffic) if given, else the first
+    `num_prompts` seed prompts; then `self_prompts` requests the target writes itself (Magpie style,
+    cached in work/self_prompts/). Those go last, so the data chunks of a run without them are reused."""
+    prompts = list(prompts) if prompts is not None else seed_prompts(seed)[:num_prompts]
+    if self_prompts:
+        from .self_prompts import generate_self_prompts, kind_mix
+
+        written = generate_self_prompts(target, tokenizer, self_prompts, seed=seed, batch_size=gen_batch_size,
+                                        cache_dir=work / "self_prompts")
+        print(f"self-prompts: {len(written)}, kinds {kind_mix(written)}")
+        prompts += written
+    if not prompts:
+        raise ValueError("no prompts to train on")
+    return prompts
+
+
 def distill(target, tokenizer, target_name: str, out_dir: str, num_layers: int = 2, num_tokens: int = 8192,
             num_prompts: int | None = 2400, samples: int = 1, temperature: float = 0.8, max_tokens: int = 128,
             epochs: int = 5, batch_size: int = 16, lr: float = 1e-3, seed: int = 0, gen_batch_size: int = 64,
-            teacher_top: int = 32) -> dict:
-    """The whole pipeline; re-running with the same out_dir resumes where it stopped."""
+            teacher_top: int = 32, prompts: list[str | list[dict]] | None = None, self_prompts: int = 0) -> dict:
+    """The whole pipeline; re-running with the same out_dir resumes where it stopped.
+
+    Prompts: see training_prompts."""
     out = Path(out_dir)
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    prompts = seed_prompts(seed)[:num_prompts]
+    explicit = prompts is not None
+    prompts = training_prompts(target, tokenizer, prompts, num_prompts, self_prompts, seed, work, gen_batch_size)
     t = time.perf_counter()
     data = make_data(target, tokenizer, prompts, samples, temperature, max_tokens, teacher_top, gen_batch_size,
                      seed, work / "data")
@@ -307,6 +380,8 @@ def distill(target, tokenizer, target_name: str, out_dir: str, num_layers: int =
             "samples": samples, "temperature": temperature, "generated_tokens": n_out, "max_tokens": max_tokens,
             "epochs": epochs, "lr": lr, "seed": seed, "teacher_top": teacher_top,
             "losses": [round(x, 4) for x in losses],
+            # only when used, so the default recipe's record stays as it was
+            **({"explicit_prompts": True} if explicit else {}), **({"self_prompts": self_prompts} if self_prompts else {}),
             # wall time of this run (a resumed run counts only what it did), so a recipe's cost is on record
             "data_seconds": round(data_s, 1), "train_seconds": round(train_s, 1), "torch_threads": torch.get_num_threads()}
     save_draft(draft, target, out, meta)

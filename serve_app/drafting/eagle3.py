@@ -26,7 +26,11 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 
 def default_feature_layers(num_layers: int) -> list[int]:
     """The target layers whose inputs EAGLE-3 reads: a low, a middle and a high one."""
-    return [2, num_layers // 2, num_layers - 3]
+    layers = [2, num_layers // 2, num_layers - 3]
+    if len(set(layers)) < 3 or min(layers) < 0:
+        raise ValueError(f"a target of {num_layers} layers has no default EAGLE-3 feature layers "
+                         "(2, N//2, N-3 must be distinct): name them explicitly")
+    return layers
 
 
 class Eagle3Draft(nn.Module):
@@ -83,7 +87,7 @@ class Eagle3Draft(nn.Module):
             cfg.layer_types = cfg.layer_types[:1]
         cfg._attn_implementation = "sdpa"
         base = target.model
-        draft = cls(cfg, tcfg.hidden_size, layers, token_ids, base.embed_tokens).to(target.dtype)
+        draft = cls(cfg, tcfg.hidden_size, layers, token_ids, base.embed_tokens).cast_own(target.dtype)
         last = base.layers[-1]
         h = tcfg.hidden_size
         with torch.no_grad():
@@ -102,6 +106,14 @@ class Eagle3Draft(nn.Module):
             draft.fc.weight[:, -h:] = torch.eye(h)
             draft.lm_head.weight.copy_(target.get_output_embeddings().weight[token_ids])
         return draft.eval()
+
+    def cast_own(self, dtype: torch.dtype) -> "Eagle3Draft":
+        """Cast the draft's own weights, not the target's embeddings it shares (`.to(dtype)` would cast
+        those too, under the target's feet)."""
+        for name, module in self.named_children():
+            if name != "embed_tokens":
+                module.to(dtype)
+        return self
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:  # [..., len(layers) * H_target] -> [..., H]
         return self.fc(features.to(self.fc.weight.dtype))

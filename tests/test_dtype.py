@@ -1,0 +1,42 @@
+"""`--dtype auto`: bfloat16 where the hardware has it natively, float32 elsewhere; profiles keep their dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serve_app import models
+from serve_app.config import ModelConfig
+from serve_app.models import load_target, resolve_dtype
+
+
+@pytest.fixture
+def unpinned(monkeypatch):
+    monkeypatch.delenv("SPECSERVE_AUTO_DTYPE", raising=False)
+
+
+@pytest.mark.parametrize("native, expected", [(True, "bfloat16"), (False, "float32")])
+def test_auto_follows_the_cpus_native_bfloat16(unpinned, monkeypatch, native, expected):
+    monkeypatch.setattr(models, "cpu_has_bf16", lambda: native)
+    assert resolve_dtype("auto", "cpu") == expected
+    assert resolve_dtype("float16", "cpu") == "float16"  # an explicit dtype is never changed
+
+
+def test_auto_is_the_default_and_can_be_pinned(monkeypatch, tiny_model_dirs):
+    assert ModelConfig().dtype == "auto"
+    monkeypatch.setenv("SPECSERVE_AUTO_DTYPE", "float64")
+    target, _, _ = load_target(tiny_model_dirs["target"], "auto")
+    assert target.dtype == torch.float64
+    monkeypatch.setenv("SPECSERVE_AUTO_DTYPE", "int8")
+    with pytest.raises(ValueError, match="SPECSERVE_AUTO_DTYPE='int8'"):
+        resolve_dtype("auto")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        ModelConfig(dtype="fp8")
+
+
+def test_a_target_worker_reports_its_resolved_dtype(unpinned, monkeypatch, tiny_model_dirs):
+    from serve_app.worker import ModelWorker
+
+    monkeypatch.setattr(models, "cpu_has_bf16", lambda: True)
+    target, _, _ = load_target(tiny_model_dirs["target"], "auto")
+    assert ModelWorker(target, "target", 0).info()["dtype"] == "bfloat16"
