@@ -48,8 +48,9 @@ profile: install  ## measure this machine's profile: profiles/<hardware type>.js
 bench-policies: install  ## none, fixed:1..8, lut, adaptive under uniform, time-varying and shifting load (OUT=dir)
 	$(VENV)/bin/specserve bench policies $(if $(OUT),--out $(OUT)) $(if $(SCALE),--scale $(SCALE)) $(if $(REPEAT),--repeat $(REPEAT))
 
-distill: install  ## distil a draft for the embedded target into OUT (default out/draft; re-running resumes)
-	$(VENV)/bin/specserve distill --target embedded --out $(or $(OUT),out/draft)
+distill: install  ## train the default EAGLE-3 draft's recipe for the embedded target into OUT (default out/draft; re-running resumes)
+	$(VENV)/bin/specserve distill --target embedded --out $(or $(OUT),out/draft) --method eagle3 --dtype bfloat16 \
+		--prompts 800 --self-prompts 1400 --samples 0 --epochs 6 --lr 5e-4
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

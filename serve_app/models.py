@@ -49,7 +49,10 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> str:
     if device != "cpu" and torch.cuda.is_available():
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
     return "bfloat16" if cpu_has_bf16() else "float32"
-EMBEDDED_DRAFT = Path(__file__).parent / "drafts" / "smollm2-135m-instruct"
+EMBEDDED_DRAFT = Path(__file__).parent / "drafts" / "smollm2-135m-instruct-eagle3"
+"""The embedded target's default draft: an EAGLE-3 head (`specserve distill --method eagle3`)."""
+EMBEDDED_LAYERS_DRAFT = Path(__file__).parent / "drafts" / "smollm2-135m-instruct"
+"""The earlier default, a 2-layer reduced-vocabulary draft (`--method layers`), kept for comparison."""
 """Default draft of the embedded target: distilled by `specserve distill`, committed in the repo."""
 
 

