@@ -226,5 +226,5 @@ def engine_markdown(res: dict) -> str:
     if res.get("dtype", "float32") != "float32":
         lines.append(f"In {res['dtype']}, 'identical to HF' compares with HF generate in {res['dtype']}: a verify "
                      "forward over k + 1 tokens rounds differently from k + 1 single-token forwards, so a near-tie "
-                     "can flip (see docs/architecture.md, "In bfloat16").")
+                     "can flip (see docs/architecture.md, 'In bfloat16').")
     return "\n".join(lines) + "\n"
