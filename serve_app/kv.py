@@ -66,6 +66,8 @@ class SlotKVCache(Cache):
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` positions of row src into row dst (compaction on eviction)."""
+        if length == 0:  # nothing cached for it yet: a draft that ran no forward since the row joined
+            return  # (k = 0 steps) has not even grown the cache to that row
         for k, v in zip(self.keys, self.values):
             k[dst, :, :length] = k[src, :, :length]
             v[dst, :, :length] = v[src, :, :length]

@@ -147,3 +147,23 @@ def test_draft_refuses_missing_or_foreign_features(target, draft):
     outside = torch.ones(97, dtype=torch.bool)
     outside[draft.token_ids] = False
     assert torch.isinf(logits[..., outside]).all() and not torch.isinf(logits[..., ~outside]).any()
+
+
+def test_rows_that_never_drafted_can_leave(target, draft):
+    """Under k = 0 (a profile's choice at large batches) the draft runs no forward, so its cache never
+    grows to the rows that joined meanwhile; sequences leaving must still compact the rows (this crashed
+    the engine under time-varying load)."""
+    from serve_app.policy import FixedK
+
+    class SmallBatchesOnly(FixedK):  # speculate at batch <= 2, as a profile's table does on small batches
+        def choose(self, state):
+            return 1 if state.batch_size <= 2 else 0
+
+    engine = Engine(ModelWorker(target, "target"), draft_worker(draft), IdTokenizer(),
+                    EngineConfig(policy="fixed:1", max_batch_size=6), SmallBatchesOnly(1), eos_ids=set())
+    first = [engine.submit(p, SamplingParams(max_tokens=3)) for p in PROMPTS[:2]]
+    engine.step()  # the draft's cache holds two rows
+    reqs = first + [engine.submit(p, SamplingParams(max_tokens=2 + 3 * i)) for i, p in enumerate(PROMPTS[2:], 2)]
+    engine.run(reqs)
+    refs = reference(target, PROMPTS, 17)
+    assert [r.output_ids for r in reqs] == [refs[0][:3], refs[1][:3]] + [refs[i][: 2 + 3 * i] for i in range(2, 6)]
