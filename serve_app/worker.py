@@ -81,6 +81,18 @@ class Sequence:
     extra: dict = field(default_factory=dict)
 
 
+def contiguous_rows(worker, seq_ids: list[str]) -> list:
+    """A worker's sequences for seq_ids (its `seqs` by id), which must be a contiguous run of its rows
+    (`order`) in order; shared by every draft worker so all refuse a bad call the same way."""
+    try:
+        r0 = worker.order.index(seq_ids[0])
+    except ValueError:
+        raise KeyError(f"{worker.role}: unknown sequence {seq_ids[0]!r}") from None
+    if worker.order[r0 : r0 + len(seq_ids)] != list(seq_ids):
+        raise ValueError(f"{worker.role}: sequences must be contiguous rows in order")
+    return [worker.seqs[s] for s in seq_ids]
+
+
 class ModelWorker:
     """Holds a causal LM and the per-sequence state for it; rows follow `order`."""
 
@@ -255,14 +267,7 @@ class ModelWorker:
 
     # ---- internals -------------------------------------------------------------------------
     def _rows(self, seq_ids: list[str]) -> list[Sequence]:
-        """Sequences for seq_ids, which must be a contiguous run of rows in order."""
-        try:
-            r0 = self.order.index(seq_ids[0])
-        except ValueError:
-            raise KeyError(f"{self.role}: unknown sequence {seq_ids[0]!r}") from None
-        if self.order[r0 : r0 + len(seq_ids)] != list(seq_ids):
-            raise ValueError(f"{self.role}: sequences must be contiguous rows in order")
-        return [self.seqs[s] for s in seq_ids]
+        return contiguous_rows(self, seq_ids)
 
     def _forward(
         self, seq_ids: list[str], fed: list[list[int]], keep: int, starts: list[int] | None = None

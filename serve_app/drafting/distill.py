@@ -259,6 +259,21 @@ def soft_loss(reduced_logits: torch.Tensor, t_idx: torch.Tensor, t_p: torch.Tens
     return per_pos[valid].mean()
 
 
+def optimizer_and_resume(draft, params: list, lr: float, total: int, warmup: int, ckpt: Path | None):
+    """AdamW with linear warm-up over `warmup` steps then cosine decay over `total`; restored from `ckpt`
+    (with the draft's weights) when it exists. Returns (opt, sched, the checkpoint dict or None)."""
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+    state = None
+    if ckpt is not None and ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        draft.load_state_dict(state["draft"], strict=False)
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+    return opt, sched, state
+
+
 def train(draft: ReducedVocabDraft, data: list[dict], epochs: int, batch_size: int, lr: float,
           seed: int, ckpt: Path | None = None) -> list[float]:
     """Soft cross-entropy over the reduced vocabulary; returns the mean loss of each epoch."""
@@ -267,16 +282,11 @@ def train(draft: ReducedVocabDraft, data: list[dict], epochs: int, batch_size: i
     to_reduced = torch.full((draft.vocab_size,), -1, dtype=torch.long)
     to_reduced[draft.token_ids] = torch.arange(draft.token_ids.numel())
     params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     steps_per_epoch = math.ceil(len(data) / batch_size)
     total = epochs * steps_per_epoch
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+    opt, sched, state = optimizer_and_resume(draft, params, lr, total, 20, ckpt)
     start_epoch, losses = 0, []
-    if ckpt is not None and ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        draft.load_state_dict(state["draft"], strict=False)
-        opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
+    if state is not None:
         start_epoch, losses, rng = state["epoch"], state["losses"], state["rng"]
     draft.train()
     with tqdm(total=total, initial=start_epoch * steps_per_epoch, desc="training draft", unit="step") as bar:

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
-from .distill import batch_groups, soft_loss, token_set
+from .distill import batch_groups, optimizer_and_resume, soft_loss, token_set
 from .eagle3 import Eagle3Draft
 
 
@@ -112,17 +112,11 @@ def train_eagle3(draft: Eagle3Draft, data: list[dict], epochs: int, batch_size: 
     to_reduced = torch.full((draft.vocab_size,), -1, dtype=torch.long)
     to_reduced[draft.token_ids] = torch.arange(draft.token_ids.numel())
     params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     per_epoch = math.ceil(len(data) / batch_size)
     total = epochs * per_epoch
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+    opt, sched, state = optimizer_and_resume(draft, params, lr, total, 50, ckpt)
     start, history = 0, []
-    if ckpt is not None and ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        draft.load_state_dict(state["draft"], strict=False)
-        opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
+    if state is not None:
         start, history, rng = state["epoch"], state["history"], state["rng"]
     draft.train()
     with tqdm(total=total, initial=start * per_epoch, desc="training eagle3 draft", unit="step") as bar:

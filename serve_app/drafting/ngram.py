@@ -30,7 +30,7 @@ import torch
 from ..config import SamplingParams
 from ..kv import compact_rows
 from ..profiles import detect_gpu_type
-from ..worker import Proposal
+from ..worker import Proposal, contiguous_rows
 
 
 @dataclass(frozen=True)
@@ -192,11 +192,4 @@ class NgramWorker:
                 s.index[tuple(toks[e - n : e])] = e
 
     def _rows(self, seq_ids: list[str]) -> list[_Sequence]:
-        """Sequences for seq_ids, which must be a contiguous run of rows in order (as in ModelWorker)."""
-        try:
-            r0 = self.order.index(seq_ids[0])
-        except ValueError:
-            raise KeyError(f"{self.role}: unknown sequence {seq_ids[0]!r}") from None
-        if self.order[r0 : r0 + len(seq_ids)] != list(seq_ids):
-            raise ValueError(f"{self.role}: sequences must be contiguous rows in order")
-        return [self.seqs[s] for s in seq_ids]
+        return contiguous_rows(self, seq_ids)
