@@ -37,10 +37,10 @@ def build_app(args: dict | None = None) -> Application:
         routers.append(
             Router.options(
                 name=f"Router-{g.name}", num_replicas=g.num_replicas, ray_actor_options=actor_options,
-                health_check_period_s=cfg.health_check_period_s,
+                health_check_period_s=cfg.health_check_period_s, graceful_shutdown_timeout_s=cfg.drain_timeout_s,
             ).bind(g.model_dump(), cfg.model.model_dump(), cfg.engine.model_dump(), cfg.max_queue, store, cfg.profile_poll_s)
         )
-    return OpenAIIngress.bind(
+    return OpenAIIngress.options(graceful_shutdown_timeout_s=cfg.drain_timeout_s).bind(
         routers, [g.name for g in cfg.groups], cfg.model.target, served_name(cfg),
-        cfg.max_tokens_limit, cfg.engine.max_stop_strings,
+        cfg.max_tokens_limit, cfg.engine.max_stop_strings, cfg.engine.max_resumes, cfg.replica_wait_s,
     )

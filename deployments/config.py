@@ -32,7 +32,10 @@ class GroupConfig(BaseModel):
     placement_strategy: str = Field("STRICT_PACK", pattern="^(STRICT_PACK|PACK|SPREAD|STRICT_SPREAD)$")
     """Placement of a replica's two workers; STRICT_PACK keeps them on one node."""
     call_timeout_s: float = Field(120, gt=0)
-    """A worker call slower than this fails the step (its requests end with 503) instead of hanging."""
+    """A worker call slower than this fails the step instead of hanging: its requests are resumed on a
+    replacement worker."""
+    worker_start_timeout_s: float = Field(300, gt=0)
+    """How long a replacement worker actor may take to start (load its model) before the repair fails."""
 
 
 class AppConfig(BaseModel):
@@ -58,3 +61,9 @@ class AppConfig(BaseModel):
     """How often routers check the ProfileStore for a newer profile."""
     health_check_period_s: float = Field(10, gt=0)
     """How often Serve checks each Router (and through it, its workers)."""
+    replica_wait_s: float = Field(120, gt=0)
+    """When a Router replica dies, how long the ingress keeps trying to resubmit its requests to the
+    group (a live replica, or the replacement Serve starts) before answering 503."""
+    drain_timeout_s: float = Field(60, gt=0)
+    """On shutdown (SIGTERM to `specserve serve`, a pod deleted, a RayService upgrade) new requests get
+    503 and in-flight ones get this long to finish. Keep Kubernetes' terminationGracePeriodSeconds above it."""

@@ -1,13 +1,16 @@
-"""OpenAI-compatible HTTP ingress: /v1/completions, /v1/chat/completions, /v1/models, /healthz.
+"""OpenAI-compatible HTTP ingress: /v1/completions, /v1/chat/completions, /v1/models, /healthz, /readyz.
 
 Validates requests (OpenAI-style JSON errors with the right status), tokenizes, and sends each
 request to the engine group with the fewest requests in flight. Streams as server-sent events the
 way the openai python client expects: one chunk per accepted piece of text, then `data: [DONE]`.
+A Router replica dying mid-request does not end the stream: the request goes again to the group with
+the tokens already received as context (`RouterStream`). `drain()` stops admitting for a shutdown.
 """
 
 
 import asyncio
 import json
+import logging
 import os
 import time
 import uuid
@@ -24,13 +27,9 @@ from serve_app.models import load_tokenizer
 from serve_app.prompts import encode_prompt
 
 app = FastAPI(title="specserve", description="OpenAI-compatible speculative decoding server")
+log = logging.getLogger("ray.serve")
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error", 503: "service_unavailable"}
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        self.status, self.message, self.param, self.code = status, message, param, code
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None, headers=None):
@@ -38,9 +37,16 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None):
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after or (1 if status in (429, 503) else None)
+
+
 @app.exception_handler(APIError)
 async def _api_error(request: Request, e: APIError):
-    headers = {"Retry-After": "1"} if e.status == 429 else None
+    headers = {"Retry-After": str(e.retry_after)} if e.retry_after else None
     return error_response(e.status, e.message, e.param, e.code, headers)
 
 
@@ -59,15 +65,67 @@ def request_id(request: Request) -> str:
     return request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex[:16]}"
 
 
-async def _next(events) -> dict:
-    """The next engine event; a router that died mid-request becomes an error event, not a hang."""
-    try:
-        return await events.__anext__()
-    except StopAsyncIteration:
-        message = "engine stream ended early"
-    except Exception as e:
-        message = f"engine failed: {type(e).__name__}"
+def _error_event(message: str) -> dict:
     return {"error": message, "text": "", "token_ids": [], "finished": True, "finish_reason": None, "status": 503}
+
+
+class RouterStream:
+    """One request's events from its engine group, surviving the death of the Router replica serving it.
+
+    The ingress knows what it already received: on a failure it sends the request to the group again
+    (Serve routes it to a live replica, or holds it until the replacement is up) with the tokens
+    received so far and how much of their text the client has, so the new replica's engine continues
+    the request where it stopped (greedy: token for token; text held back there for a partial
+    character or stop string is released by the new one). A submission failing before its first
+    event is retried until `wait_s` has passed; after `max_resubmits` resumes the request ends with 503.
+    """
+
+    def __init__(self, handle, ids: list[int], params: dict, rid: str, stream: bool,
+                 max_resubmits: int = 2, wait_s: float = 120.0):
+        self.handle, self.ids, self.params, self.rid, self.stream = handle, ids, params, rid, stream
+        self.max_resubmits, self.wait_s = max_resubmits, wait_s
+        self.received: list[int] = []
+        self.sent_chars = 0  # characters of text the client has been given
+        self.resubmits = 0
+        self.events = None
+        self._got_event = False
+
+    def start(self) -> None:
+        resume = {"output_ids": self.received, "sent_chars": self.sent_chars} if self.received else None
+        self._got_event = False
+        self.events = self.handle.options(stream=True).generate.remote(self.ids, self.params, self.rid, self.stream, resume)
+
+    def cancel(self) -> None:
+        if self.events is not None:
+            self.events.cancel()  # the router aborts the request: frees its queue place or batch slot and KV
+
+    async def next(self) -> dict:
+        """The next event; a router that is gone for good becomes an error event, not a hang."""
+        deadline = None
+        while True:
+            try:
+                ev = await self.events.__anext__()
+            except StopAsyncIteration:
+                return _error_event("engine stream ended early")
+            except Exception as e:  # the Router replica died (or is unreachable)
+                if self._got_event:
+                    self.resubmits += 1
+                    if self.resubmits > self.max_resubmits:
+                        return _error_event(f"the request failed {self.resubmits} times because an engine "
+                                            "replica crashed; giving up (retry later)")
+                    deadline = None
+                deadline = deadline or time.monotonic() + self.wait_s
+                if time.monotonic() > deadline:
+                    return _error_event("no engine replica of this group is available; retry later")
+                log.warning("request %s: engine replica failed (%s); resubmitting with %d tokens received",
+                            self.rid, type(e).__name__, len(self.received))
+                await asyncio.sleep(0.5)
+                self.start()
+                continue
+            self._got_event = True
+            self.received += ev.get("token_ids", [])
+            self.sent_chars += len(ev.get("text", ""))
+            return ev
 
 
 class _GroupLease:
@@ -87,7 +145,7 @@ class _GroupLease:
 
     def __init__(self, in_flight: dict[str, int], group: str):
         self.in_flight, self.group = in_flight, group
-        self.events = None  # the router's event stream, once asked for
+        self.upstream: RouterStream | None = None  # the router's event stream, once asked for
         self.ended = False
         in_flight[group] += 1
 
@@ -97,8 +155,8 @@ class _GroupLease:
             return
         self.ended = True
         self.in_flight[self.group] -= 1
-        if not finished and self.events is not None:
-            self.events.cancel()  # the router aborts the request: frees its queue place or batch slot and KV
+        if not finished and self.upstream is not None:
+            self.upstream.cancel()
 
     def end_with(self, stream) -> None:
         """Hand the lease to an SSE generator: its `finally` ends it once started; if it is collected
@@ -150,8 +208,10 @@ class ChatRequest(SamplingFields):
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, routers: list, groups: list[str], target: str, served_model_name: str,
-                 max_tokens_limit: int, max_stop_strings: int):
+                 max_tokens_limit: int, max_stop_strings: int, max_resubmits: int = 2, resubmit_wait_s: float = 120.0):
         self.routers = dict(zip(groups, routers))
+        self.max_resubmits, self.resubmit_wait_s = max_resubmits, resubmit_wait_s
+        self.draining = False
         self.in_flight = {g: 0 for g in groups}
         self.tokenizer = load_tokenizer(target)
         self.model_name = served_model_name
@@ -162,7 +222,34 @@ class OpenAIIngress:
     # ---- endpoints ---------------------------------------------------------------------------
     @app.get("/healthz")
     async def healthz(self):
+        """Liveness: this ingress answers. Whether requests can be served: /readyz."""
         return {"status": "ok", "groups": list(self.routers)}
+
+    @app.get("/readyz")
+    async def readyz(self):
+        """Readiness: 200 once every engine group can serve (its models loaded, no worker being
+        replaced), 503 before that and while draining for a shutdown."""
+        async def group_ready(name: str) -> dict:
+            try:
+                return await asyncio.wait_for(self.routers[name].ready.remote(), timeout=5)
+            except Exception as e:  # no replica yet, or it is not answering
+                return {"ready": False, "reason": f"engine group not reachable ({type(e).__name__})"}
+
+        groups = dict(zip(self.routers, await asyncio.gather(*(group_ready(g) for g in self.routers))))
+        ready = not self.draining and all(g["ready"] for g in groups.values())
+        body = {"status": "ready" if ready else ("draining" if self.draining else "not ready"), "groups": groups}
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    def drain(self) -> int:
+        """Stop admitting new requests (503 + Retry-After, readiness false); returns requests in flight."""
+        self.draining = True
+        return self.in_flight_total()
+
+    def in_flight_total(self) -> int:
+        return sum(self.in_flight.values())
+
+    def pid(self) -> int:
+        return os.getpid()
 
     @app.get("/v1/models")
     async def models(self, request: Request):
@@ -217,19 +304,21 @@ class OpenAIIngress:
 
     async def _respond(self, request: Request, body: SamplingFields, ids: list[int], max_tokens: int, chat: bool):
         params = self._params(body, max_tokens)
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry on another instance", code="draining", retry_after=5)
         rid = request_id(request)
         group = self._pick_group()
         lease = _GroupLease(self.in_flight, group)
         stream = None  # once set, the SSE generator owns the lease
         try:
-            try:
-                events = self.routers[group].options(stream=True).generate.remote(ids, params, rid, body.stream)
-                lease.events = events
-                first = await events.__anext__()
-            except Exception as e:  # the group's router is down or restarting
-                raise APIError(503, f"engine group '{group}' unavailable: {type(e).__name__}", code="engine_unavailable") from None
+            events = lease.upstream = RouterStream(self.routers[group], ids, params, rid, body.stream,
+                                                   self.max_resubmits, self.resubmit_wait_s)
+            events.start()
+            first = await events.next()
             if "error" in first:
-                raise APIError(first["status"], first["error"], code="invalid_value" if first["status"] == 400 else None)
+                status = first["status"]
+                code = {400: "invalid_value", 503: "engine_unavailable"}.get(status)
+                raise APIError(status, first["error"], code=code, retry_after=first.get("retry_after"))
             meta = {"id": ("chatcmpl-" if chat else "cmpl-") + rid, "created": int(time.time()), "model": self.model_name}
             if not body.stream:
                 return await self._collect(first, events, meta, len(ids), chat)
@@ -247,7 +336,7 @@ class OpenAIIngress:
     async def _collect(self, first: dict, events, meta: dict, n_prompt: int, chat: bool):
         text, n_out, ev = [first["text"]], len(first["token_ids"]), first
         while not ev["finished"]:
-            ev = await _next(events)
+            ev = await events.next()
             text.append(ev["text"])
             n_out += len(ev["token_ids"])
         if ev.get("error"):
@@ -287,7 +376,7 @@ class OpenAIIngress:
                     finished = True
                     yield chunk(None if chat else "", ev["finish_reason"])
                     break
-                ev = await _next(events)
+                ev = await events.next()
             if include_usage:
                 usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
                 yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [], 'usage': usage})}\n\n"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 
 from .config import AppConfig
@@ -38,20 +37,50 @@ def stop() -> None:
     ray.shutdown()
 
 
+def drain(timeout_s: float, app: str = APP_NAME) -> int:
+    """Stop admitting new requests (they get 503 + Retry-After, /readyz turns 503) and wait up to
+    timeout_s for the in-flight ones to finish. Returns how many were still in flight. Needs a
+    connected Ray driver (ray.init)."""
+    from ray import serve
+
+    ingress = serve.get_deployment_handle("OpenAIIngress", app)
+    left = ingress.drain.remote().result()
+    deadline = time.monotonic() + timeout_s
+    while left and time.monotonic() < deadline:
+        time.sleep(0.25)
+        left = ingress.in_flight_total.remote().result()
+    return left
+
+
+class _Stop(Exception):
+    """SIGTERM: leave the serving loop the way Ctrl-C does."""
+
+
+def _raise_stop(*_):
+    raise _Stop
+
+
 def run_forever(app_args: dict, host: str, port: int, metrics_port: int | None = None) -> None:
     from .app import served_name
 
     url = start(app_args, host, port, metrics_port)
-    name = served_name(AppConfig.model_validate(app_args))
+    cfg = AppConfig.model_validate(app_args)
+    name = served_name(cfg)
     print(f"\nspecserve: serving {name} at {url}/v1 (metrics: http://{host}:{metrics_port}/metrics)")
     print(f"try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'")
-    print("Ctrl-C stops it.", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    print(f"Ctrl-C (or SIGTERM) drains it: no new requests, in-flight ones get {cfg.drain_timeout_s:g} s to finish.",
+          flush=True)
+    signal.signal(signal.SIGTERM, _raise_stop)
     try:
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:
-        print("\nspecserve: stopping")
+    except (KeyboardInterrupt, _Stop):
+        print("\nspecserve: draining (a second Ctrl-C stops at once)", flush=True)
+        try:
+            left = drain(cfg.drain_timeout_s)
+            print(f"specserve: drained ({left} requests still in flight), stopping", flush=True)
+        except KeyboardInterrupt:
+            print("specserve: stopping now", flush=True)
     finally:
         stop()

@@ -4,6 +4,10 @@ Each replica places its two worker actors in a placement group (STRICT_PACK: sam
 engine's step loop across them, bounds its admission queue, streams tokens to callers, and picks k
 each step with the profile of its hardware type from the shared ProfileStore (polled, so a pushed
 profile takes effect without a restart).
+
+A worker actor that dies is replaced in place (same placement-group bundle) by the engine's repair
+hook, and the engine resumes the requests it was running: a dead target stalls the batch while its
+replacement loads, a dead draft only turns speculation off (k = 0) until its replacement is ready.
 """
 
 from __future__ import annotations
@@ -11,7 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import itertools
 import logging
+import os
+import threading
+import time
 from collections import Counter as Tally
 
 import ray
@@ -44,7 +52,12 @@ class Router:
         mc, self.engine_config = ModelConfig(**model), EngineConfig(**engine)
         self.max_queue, self.store, self.profile_poll_s = max_queue, store, profile_poll_s
         has_draft = draft_spec(mc) != "none"
-        self.pg, self.actors = self._start_workers(mc, has_draft)
+        self.model_config = mc
+        self.roles = ["target"] + (["draft"] if has_draft else [])
+        self._generation = itertools.count()
+        self.pg = self._placement_group()
+        self.actors = [self._start_worker(i) for i in range(len(self.roles))]
+        self.actor_names = [self._names[i] for i in range(len(self.roles))]
         target = RemoteWorker(self.actors[0], self.group.call_timeout_s)
         draft = RemoteWorker(self.actors[1], self.group.call_timeout_s) if has_draft else None
         await asyncio.gather(*(a.ping.remote() for a in self.actors))  # ready only once both models loaded
@@ -56,6 +69,11 @@ class Router:
         self.profile_version, self.profile = await self._fetch_profile()
         self.engine = Engine(target, draft, load_tokenizer(mc.target), self.engine_config, self._policy())
         self.engine.on_step.append(self._on_step)
+        self.engine.repair = self._repair
+        self.recoveries: list[dict] = []  # {role, seconds}: each replaced worker and how long it took
+        self.repair_failures = 0  # consecutive; past a few, the health check gives up on this replica
+        self.starting: set[int] = set()  # actors being replaced in the background (a draft)
+        self.resumed = 0  # finished requests that were resumed after a worker or replica failure
         self.k_tally: Tally = Tally()
         self.observed = AcceptanceEstimate(0.0)  # live acceptance under any policy (adaptive keeps its own)
         self.max_batch_seen = 0
@@ -63,24 +81,85 @@ class Router:
         self._metrics()
 
     # ---- setup -------------------------------------------------------------------------------
-    def _start_workers(self, mc: ModelConfig, has_draft: bool):
+    def _resources(self) -> dict:
+        resources = dict(self.group.resources)
+        if self.group.accelerator_type:
+            resources[f"accelerator_type:{self.group.accelerator_type}"] = 0.001
+        return resources
+
+    def _placement_group(self):
         g = self.group
-        resources = dict(g.resources)
-        if g.accelerator_type:
-            resources[f"accelerator_type:{g.accelerator_type}"] = 0.001
-        bundle = {"CPU": g.worker_cpus, **({"GPU": g.num_gpus} if g.num_gpus else {}), **resources}
-        classes = [(TargetWorker, "target")] + ([(DraftWorker, "draft")] if has_draft else [])
-        pg = placement_group([bundle] * len(classes), strategy=g.placement_strategy)
+        bundle = {"CPU": g.worker_cpus, **({"GPU": g.num_gpus} if g.num_gpus else {}), **self._resources()}
+        self._names: dict[int, str] = {}
+        return placement_group([bundle] * len(self.roles), strategy=g.placement_strategy)
+
+    def _start_worker(self, i: int):
+        """Start worker actor i (0 target, 1 draft) in its bundle of this replica's placement group;
+        a replacement gets the same bundle, so it lands where the dead one was reserved."""
+        g, role = self.group, self.roles[i]
         replica = serve.get_replica_context().replica_id.unique_id
-        self.actor_names = [f"specserve-{g.name}-{replica}-{role}" for _, role in classes]
-        actors = [
-            cls.options(
-                name=name, num_cpus=g.worker_cpus, num_gpus=g.num_gpus, resources=resources or None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-            ).remote(mc.model_dump(), g.torch_threads)
-            for i, ((cls, _), name) in enumerate(zip(classes, self.actor_names))
-        ]
-        return pg, actors
+        gen = next(self._generation)
+        self._names[i] = f"specserve-{g.name}-{replica}-{role}" + (f"-{gen}" if gen >= len(self.roles) else "")
+        cls = TargetWorker if role == "target" else DraftWorker
+        # max_concurrency: `ping` answers while a long `call` runs (the engine makes one call at a
+        # time), so a busy worker is never taken for a dead one and replaced.
+        return cls.options(
+            name=self._names[i], max_concurrency=4, num_cpus=g.worker_cpus, num_gpus=g.num_gpus, resources=self._resources() or None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+        ).remote(self.model_config.model_dump(), g.torch_threads)
+
+    # ---- repair (Engine.repair: runs in the engine's step thread) ---------------------------
+    def _alive(self, actor) -> bool:
+        try:
+            ray.get(actor.ping.remote(), timeout=10)
+            return True
+        except ray.exceptions.GetTimeoutError:  # stuck: as good as dead, and it holds the bundle
+            ray.kill(actor)
+            return False
+        except ray.exceptions.RayError:
+            return False
+
+    def _replace(self, i: int):
+        t0 = time.perf_counter()
+        self.actors[i] = self._start_worker(i)
+        self.actor_names[i] = self._names[i]
+        return t0
+
+    def _ready(self, i: int, t0: float) -> None:
+        ray.get(self.actors[i].ping.remote(), timeout=self.group.worker_start_timeout_s)
+        self.recoveries.append({"role": self.roles[i], "seconds": round(time.perf_counter() - t0, 2)})
+        self.m_recoveries.inc(tags={"role": self.roles[i]})
+        log.warning("%s worker of group %s replaced in %.1f s", self.roles[i], self.group.name, time.perf_counter() - t0)
+
+    def _repair(self, engine: Engine) -> None:
+        dead = [i for i, a in enumerate(self.actors) if i not in self.starting and not self._alive(a)]
+        try:
+            if 0 in dead:  # no target, no decoding: wait for the replacement (and a dead draft's alongside)
+                starts = {i: self._replace(i) for i in dead}
+                for i, t0 in starts.items():
+                    self._ready(i, t0)
+                engine.target.actor = self.actors[0]
+                if 1 in dead:
+                    engine.draft.actor = self.actors[1]
+            elif 1 in dead:  # decode at k = 0 while the draft's replacement loads, then bring it in
+                t0 = self._replace(1)
+                engine.draft = None
+                self.starting.add(1)
+                threading.Thread(target=self._bring_draft_back, args=(engine, t0), daemon=True).start()
+        except Exception:
+            self.repair_failures += 1
+            raise
+        self.repair_failures = 0
+
+    def _bring_draft_back(self, engine: Engine, t0: float) -> None:
+        try:
+            self._ready(1, t0)
+            engine.attach_draft(RemoteWorker(self.actors[1], self.group.call_timeout_s))
+        except Exception:
+            log.exception("replacement draft worker failed to start; decoding without speculation")
+            self.repair_failures += 1
+        finally:
+            self.starting.discard(1)
 
     async def _fetch_profile(self) -> tuple[int, Profile | None]:
         if self.store is None:
@@ -119,16 +198,22 @@ class Router:
         self.m_estimate = metrics.Gauge("specserve_acceptance_estimate",
                                         "Live per-token draft acceptance estimate (what the adaptive policy steers by).",
                                         tag_keys=tags)
-        for m in (self.m_requests, self.m_prompt, self.m_generated, self.m_proposed, self.m_accepted,
+        self.m_recoveries = metrics.Counter("specserve_worker_recoveries", "Worker actors replaced after dying.",
+                                            tag_keys=tags + ("role",))
+        self.m_resumed = metrics.Counter("specserve_resumed_requests", "Requests resumed after a worker failure.",
+                                         tag_keys=tags)
+        for m in (self.m_recoveries, self.m_resumed, self.m_requests, self.m_prompt, self.m_generated, self.m_proposed, self.m_accepted,
                   self.m_ttft, self.m_tpot, self.m_step, self.m_batch, self.m_k, self.m_queue, self.m_estimate):
             m.set_default_tags({"gpu_type": self.gpu_type, "group": self.group.name})
 
     # ---- serving -----------------------------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], params: dict, request_id: str = "req", stream: bool = True):
+    async def generate(self, prompt_ids: list[int], params: dict, request_id: str = "req", stream: bool = True,
+                       resume: dict | None = None):
         """Events {text, token_ids, finished, finish_reason, ...}, or one {error, status}.
 
         stream=False sends a single final event with the whole text: every event costs a hop through
         Serve (router -> ingress -> proxy) on the CPUs the models use, so unstreamed requests skip them.
+        resume: {"output_ids", "sent_chars"}: the ingress continuing a request whose replica died.
         """
         self._ensure_poll()
         if len(self.engine.waiting) >= self.max_queue:
@@ -147,7 +232,7 @@ class Router:
         try:
             # aclosing: when the caller leaves, the engine stream's `finally` aborts the request now
             # (a waiting one leaves the queue at once), not whenever the generator is collected.
-            async with contextlib.aclosing(self.engine.generate(prompt_ids, sampling, request_id)) as outs:
+            async with contextlib.aclosing(self.engine.generate(prompt_ids, sampling, request_id, resume)) as outs:
                 async for out in outs:
                     if out.finished:
                         self._record_request(out)
@@ -177,6 +262,8 @@ class Router:
         ev = {"text": out.text, "token_ids": out.token_ids, "finished": out.finished, "finish_reason": out.finish_reason}
         if out.error:
             ev.update(error=out.error, status=503)
+            if out.retry_after_s:
+                ev["retry_after"] = out.retry_after_s
         if out.stats:
             ev["stats"] = out.stats.to_dict()
         return ev
@@ -185,10 +272,14 @@ class Router:
         status = {"error": "503", "abort": "499"}.get(out.finish_reason, "200")
         self.m_requests.inc(tags={"status": status})
         s = out.stats
+        if s.resumes:
+            self.m_resumed.inc()
+            self.resumed += 1
         self.m_prompt.inc(s.prompt_tokens)
-        if s.generated_tokens:
-            self.m_generated.inc(s.generated_tokens)
-            self.m_ttft.observe(s.ttft_s)
+        if s.generated_tokens > s.carried_tokens:  # what the replica that died generated was counted there
+            self.m_generated.inc(s.generated_tokens - s.carried_tokens)
+            if not s.carried_tokens:  # a continued request's first token came from the other replica
+                self.m_ttft.observe(s.ttft_s)
         if s.generated_tokens > 1:
             self.m_tpot.observe(s.tpot_s)
 
@@ -228,10 +319,33 @@ class Router:
                 log.info("profile for %s now version %d", self.gpu_type, version)
 
     async def check_health(self) -> None:
-        """Unhealthy if a worker actor is gone: Serve then replaces this replica (and its workers)."""
+        """A dead worker found here is repaired in place (the engine replaces it, see `_repair`); only a
+        replica whose repairs keep failing is reported unhealthy, so Serve replaces it whole."""
         self._ensure_poll()
-        for actor in self.actors:
-            await asyncio.wait_for(actor.ping.remote(), timeout=30)
+        if self.repair_failures >= 3:
+            raise RuntimeError(f"worker repair failed {self.repair_failures} times in a row")
+        if not self.engine.repairing and not await self._workers_alive():
+            self.engine.request_repair()
+
+    async def _workers_alive(self) -> bool:
+        for i, actor in enumerate(self.actors):
+            if i in self.starting:
+                continue
+            try:
+                await asyncio.wait_for(actor.ping.remote(), timeout=10)
+            except (asyncio.TimeoutError, ray.exceptions.RayError):
+                return False
+        return True
+
+    async def ready(self) -> dict:
+        """Can this replica serve now? Not while a repair is under way or a worker is found dead (a
+        repair then starts). A draft still loading does not count: decoding goes on at k = 0."""
+        if self.engine.repairing:
+            return {"ready": False, "reason": "replacing a worker that died"}
+        if not await self._workers_alive():
+            self.engine.request_repair()
+            return {"ready": False, "reason": "a worker died; replacing it"}
+        return {"ready": True, "reason": None}
 
     def reconfigure(self, user_config: dict) -> None:
         """Live-tunable settings (Serve user_config): `max_queue`, `policy`."""
@@ -247,6 +361,11 @@ class Router:
         """The adaptive policy's own estimate (what it steers by), else the router's of the same kind."""
         return getattr(self.engine.policy, "acceptance_estimate", self.observed.value)
 
+    async def pids(self) -> dict[str, int]:
+        """Process ids of this replica and its workers (the soak samples their memory)."""
+        workers = await asyncio.gather(*(a.pid.remote() for a in self.actors))
+        return {"router": os.getpid(), **dict(zip(self.roles, workers))}
+
     async def stats(self) -> dict:
         return {
             "group": self.group.name, "gpu_type": self.gpu_type, "profile_version": self.profile_version,
@@ -254,7 +373,8 @@ class Router:
             "acceptance_estimate": self.acceptance_estimate(),
             "k_steps": dict(self.k_tally), "max_batch_seen": self.max_batch_seen,
             "running": len(self.engine.running), "waiting": len(self.engine.waiting), "reserved": self.engine.reserved,
-            "actors": self.actor_names,
+            "actors": self.actor_names, "recoveries": self.recoveries, "resumed": self.resumed, "repairing": self.engine.repairing,
+            "speculating": self.engine.speculating,
         }
 
     def __del__(self):

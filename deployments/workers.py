@@ -42,6 +42,9 @@ class _ModelHost:
     def ping(self) -> bool:
         return True
 
+    def pid(self) -> int:
+        return os.getpid()
+
 
 @ray.remote
 class TargetWorker(_ModelHost):
@@ -72,6 +75,9 @@ class RemoteWorker:
 
     def remove(self, seq_ids):
         return self._call("remove", seq_ids)
+
+    def reset(self):
+        return self._call("reset")
 
     def prefill(self, seq_ids, features=None):
         return self._call("prefill", seq_ids, features)

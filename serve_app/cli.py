@@ -1,4 +1,4 @@
-"""`specserve` command line: generate, serve, profile, profiles push, distill, bench (engine, acceptance, http, policies).
+"""`specserve` command line: generate, serve, drain, profile, profiles push, distill, bench (engine, acceptance, http, policies), chaos.
 
 Exit codes: 0 all requests succeeded; 1 some requests failed (each reported with its line number,
 the others finished); 2 bad arguments or an unusable file/model (nothing was generated).
@@ -133,7 +133,32 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics export port of the local Ray node")
+    s.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="on Ctrl-C / SIGTERM: seconds in-flight requests get to finish (new ones get 503)")
     s.set_defaults(func=_cmd_serve)
+
+    ch = sub.add_parser("chaos", help="kill the target, the draft and a Router under load on a local service; "
+                                      "optionally a soak (memory over time) and a burst")
+    _model_args(ch)
+    ch.set_defaults(dtype="float32")  # greedy texts compared token for token: float32 (bf16 varies with the batch)
+    ch.add_argument("--policy", default="fixed:2", help="none | fixed:K | lut | adaptive")
+    ch.add_argument("--users", type=int, default=4, help="closed-loop users during the kills")
+    ch.add_argument("--max-tokens", type=int, default=64)
+    ch.add_argument("--interval", type=float, default=20.0, help="seconds of load before each kill and after the last")
+    ch.add_argument("--soak-minutes", type=float, default=0.0, help="then this long at --load of the capacity (0: no soak)")
+    ch.add_argument("--load", type=float, default=0.7, help="soak arrival rate as a share of the measured capacity")
+    ch.add_argument("--burst", type=float, default=0.0, help="then 30 s at this multiple of the capacity (0: no burst)")
+    ch.add_argument("--capacity-s", type=float, default=60.0, help="seconds spent measuring capacity (soak, burst)")
+    ch.add_argument("--port", type=int, default=8000)
+    ch.add_argument("--out", default=None, help="results stem (default results/chaos-<hardware>)")
+    ch.set_defaults(func=_cmd_chaos)
+
+    dr = sub.add_parser("drain", help="stop a running service admitting requests and wait for in-flight ones "
+                                      "(the Kubernetes preStop hook)")
+    dr.add_argument("--address", default="auto", help="Ray cluster address")
+    dr.add_argument("--app", default="specserve", help="Serve application name")
+    dr.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for in-flight requests")
+    dr.set_defaults(func=_cmd_drain)
 
     pf = sub.add_parser("profile", help="measure latency over batch size x k and acceptance; write this hardware's profile")
     _model_args(pf)
@@ -346,6 +371,7 @@ def _app_config(args) -> dict:
         "engine": {"policy": args.policy, "max_batch_size": args.batch_size},
         "max_queue": args.max_queue,
         "profiles_dir": args.profiles_dir,
+        "drain_timeout_s": args.drain_timeout,
     }
 
 
@@ -425,6 +451,38 @@ def _cmd_serve(args) -> int:
     except PydanticError as e:
         raise UsageError(_first_error(e)) from None
     return 0
+
+
+def _cmd_chaos(args) -> int:
+    from .bench.chaos import chaos
+    from .bench.rounds import default_stem, write_results
+
+    if args.users < 1 or args.max_tokens < 1 or args.interval <= 0 or args.soak_minutes < 0 or args.burst < 0 \
+            or not 0 < args.load <= 1.5:
+        raise UsageError("need --users >= 1, --max-tokens >= 1, --interval > 0, --soak-minutes >= 0, --burst >= 0, "
+                         "0 < --load <= 1.5")
+    stem = str(args.out or default_stem("chaos"))
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
+    results, markdown = chaos(_bench_model(args), args.policy, args.users, args.max_tokens, args.interval, args.port,
+                              args.soak_minutes, args.load, args.burst, args.capacity_s, stem)
+    print("\n" + markdown)
+    json_path, md_path = write_results(stem, results, markdown)
+    print(f"results: {json_path}, {md_path}")
+    return 0
+
+
+def _cmd_drain(args) -> int:
+    import ray
+
+    from deployments.local import drain
+
+    try:
+        ray.init(address=args.address, logging_level="ERROR", log_to_driver=False)
+    except ConnectionError as e:
+        raise UsageError(f"no running Ray cluster at {args.address}: {e}") from None
+    left = drain(args.timeout, args.app)
+    print(f"drained: {left} requests still in flight")
+    return 0 if left == 0 else 1
 
 
 def _cmd_profiles_push(args) -> int:

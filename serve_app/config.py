@@ -64,6 +64,15 @@ class EngineConfig(BaseModel):
     max_stop_strings: int = Field(4, ge=0)
     """Most stop strings one request may carry."""
 
+    max_resumes: int = Field(2, ge=0)
+    """Times a running request is resumed after a failed step (a worker crashed): it goes back to the
+    head of the queue with its prompt + the tokens generated so far and decoding continues. One more
+    failure ends it with a 503 error."""
+
+    recovery_wait_s: float = Field(30.0, gt=0)
+    """While the engine repairs its workers, a queued request waits at most this long (then 503 with
+    Retry-After) rather than hanging on a repair that may not come back soon."""
+
 
 class SamplingParams(BaseModel):
     """One request's decoding settings (OpenAI-style names)."""

@@ -11,6 +11,8 @@ import copy
 import importlib.metadata
 import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,7 +86,7 @@ def load_target(spec: str, dtype: str = "float32", device: str = "cpu") -> tuple
     """(model, tokenizer, display name) for a target spec."""
     name = display_name(spec)
     if spec == EMBEDDED:
-        spec = str(embedded_gguf())
+        spec = embedded_source()
     model, tokenizer = _from_pretrained(spec, dtype, device, "model")
     return model, tokenizer, name
 
@@ -122,7 +124,7 @@ def load_draft(spec: str, target: nn.Module, tokenizer, dtype: str = "float32", 
             raise ValueError(f"draft {spec!r}: truncated needs a layer count, e.g. truncated:4")
         return truncated_draft(target, int(n))
     if spec == EMBEDDED:
-        spec = str(embedded_gguf())
+        spec = embedded_source()
     from .drafting.eagle3_io import is_eagle3_dir, load_eagle3_dir
     from .drafting.layers import is_draft_dir, load_draft_dir
 
@@ -143,12 +145,47 @@ def draft_spec(cfg: ModelConfig) -> str:
     return str(EMBEDDED_DRAFT) if cfg.target == EMBEDDED else "none"
 
 
+def embedded_source() -> str:
+    """Where the embedded target loads from: a float32 safetensors copy of the .gguf, made on first use
+    in $SPECSERVE_CACHE (default ~/.cache/specserve). Parsing the .gguf takes ~15 s on 2 cores, three
+    times over (config, tokenizer, weights); the copy loads in about a second, which is what a
+    replacement worker's start (crash recovery) and every `serve` start wait on. The .gguf itself
+    when the cache cannot be written."""
+    gguf = embedded_gguf()
+    cache = Path(os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve")
+    out = cache / f"{gguf.stem}-{gguf.stat().st_size}"
+    if (out / "model.safetensors").is_file():
+        return str(out)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".converting-"))
+    except OSError:
+        return str(gguf)
+    try:
+        from safetensors.torch import save_file
+
+        model, tokenizer = _from_pretrained(str(gguf), "float32", "cpu", "model")
+        state = model.state_dict()
+        if model.config.tie_word_embeddings:  # one tensor, stored once (safetensors refuses shared memory)
+            state.pop("lm_head.weight", None)
+        save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
+        model.config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out)  # atomic: a concurrent converter (another worker) may have won; fine
+    except OSError:
+        pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out) if (out / "model.safetensors").is_file() else str(gguf)
+
+
 def load_tokenizer(spec: str):
     """Only the tokenizer of a model spec (the router and the HTTP ingress need no weights)."""
     from transformers import AutoTokenizer
 
     if spec == EMBEDDED:
-        spec = str(embedded_gguf())
+        spec = embedded_source()
     kwargs = _load_kwargs(spec, "float32", "cpu")
     try:
         return AutoTokenizer.from_pretrained(kwargs["_src"], **{k: v for k, v in kwargs.items() if k == "gguf_file"})

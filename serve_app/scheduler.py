@@ -4,6 +4,11 @@
 ask the policy for k, draft proposes, target verifies in one forward, both commit, stream what was
 accepted, evict what finished. `Engine.generate()` streams one request's outputs as an async
 iterator; a background task runs steps in a worker thread while any request is in flight.
+
+A failed step (a worker crashed) loses no request: what the step made final still streams, the
+running requests go back to the head of the queue with prompt + generated-so-far as their context,
+the workers are repaired (`Engine.repair`, e.g. the Router replacing a dead actor) and reset, and the
+next step prefills them again, so decoding goes on where it stopped.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class RequestOutput:
     error: str | None = None
     stats: RequestStats | None = None
     """Set on the final output."""
+    retry_after_s: int | None = None
+    """With an error the client may retry: seconds to wait first (HTTP Retry-After)."""
 
 
 @dataclass
@@ -58,6 +65,18 @@ class Request:
     cancelled: bool = False
     finished: bool = False
     queue: asyncio.Queue | None = None
+    queued_at: float = field(default_factory=time.perf_counter)  # entered the queue (again, when resumed)
+
+    def context(self) -> list[int]:
+        """What the workers hold for it: the prompt, plus what it generated before a resume."""
+        return self.prompt_ids + self.output_ids
+
+    def worker_params(self) -> SamplingParams:
+        """Sampling settings for the workers. A resumed seeded request draws from a stream moved on by
+        what it generated, so it does not replay the draws its first tokens already used."""
+        if not self.output_ids or self.params.seed is None:
+            return self.params
+        return self.params.model_copy(update={"seed": (self.params.seed + 7919 * len(self.output_ids)) % 2**63})
 
 
 class Engine:
@@ -80,10 +99,7 @@ class Engine:
             eos_ids = set(info["eos_ids"]) or ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self.eos_ids = eos_ids
         self.vocab_size = vocab_size or info["vocab_size"]
-        if draft is not None and draft.info().get("feature_layers"):
-            # An EAGLE-style draft reads the target's hidden states: the target returns them with
-            # every verification, for the positions that verification made final.
-            target.capture_features(draft.info()["feature_layers"])
+        self._link_draft()
         self.waiting: deque[Request] = deque()
         # Guards every change to `waiting`: `_admit` (step thread) peeks the head and then pops it, while
         # `abort` (event-loop thread) may remove any entry; a removal between that peek and pop would
@@ -94,6 +110,20 @@ class Engine:
         self.on_step: list[Callable[[StepStats], None]] = []  # observers (metrics, benchmarks)
         self._ids = itertools.count()
         self._loop_task: asyncio.Task | None = None
+        self.repair: Callable[["Engine"], None] | None = None
+        """Called (in a worker thread) after a failed step: replace dead workers, e.g. the Router
+        starting a new actor. It may set `draft` to None (decode with k = 0) and `attach_draft` a new
+        one later. The engine resets the workers afterwards. None: only reset them."""
+        self.repairing = False  # a repair is under way (readiness reports it)
+        self._repair_needed = False
+        self._pending_draft: ModelWorker | None = None
+        self._outs: list[tuple[Request, RequestOutput]] = []  # the current step's outputs so far
+
+    def _link_draft(self) -> None:
+        if self.draft is not None and self.draft.info().get("feature_layers"):
+            # An EAGLE-style draft reads the target's hidden states: the target returns them with
+            # every verification, for the positions that verification made final.
+            self.target.capture_features(self.draft.info()["feature_layers"])
 
     @classmethod
     def from_models(cls, models, config: EngineConfig | None = None, policy: Policy | None = None) -> "Engine":
@@ -105,8 +135,13 @@ class Engine:
         return cls(target, draft, models.tokenizer, config, policy)
 
     # ---- requests ----------------------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
-        """Validate and queue a request; bad input raises ValueError and touches nothing."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+               resume: dict | None = None) -> Request:
+        """Validate and queue a request; bad input raises ValueError and touches nothing.
+
+        resume: {"output_ids", "sent_chars"} continues a request another engine started (its replica
+        died): those tokens count as generated, and the client already has that much of their text.
+        """
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("prompt is empty")
@@ -128,6 +163,14 @@ class Engine:
         rid = f"{request_id or 'req'}-{next(self._ids)}"  # unique even if callers reuse ids
         req = Request(rid, list(prompt_ids), params, TextStream(self.tokenizer, params.stop), reserve)
         req.stats.prompt_tokens = n
+        if resume:
+            done = [int(t) for t in resume["output_ids"]]
+            if any(not 0 <= t < self.vocab_size for t in done) or n + len(done) >= self.max_model_len \
+                    or len(done) >= params.max_tokens:
+                raise ValueError("resume: output ids outside the vocabulary or past the request's limits")
+            req.output_ids = done
+            req.stream.resume(done, int(resume.get("sent_chars", 0)))
+            req.stats.resumes, req.stats.carried_tokens = 1, len(done)
         with self._queue_lock:
             self.waiting.append(req)
         return req
@@ -162,8 +205,12 @@ class Engine:
         """One engine iteration over the whole batch. Returns (request, output) pairs to stream."""
         t0 = time.perf_counter()
         st = StepStats()
-        outs = self._drop_cancelled()
-        outs += self._admit(st)
+        # Outputs collect here as they become final, so a step that fails halfway still streams them.
+        outs = self._outs = []
+        if self._pending_draft is not None:
+            self._rejoin_draft()
+        self._drop_cancelled()
+        self._admit(st)
         if self.running:
             k = self.policy.choose(BatchState(len(self.running), self.config.max_k, self.draft is not None))
             ids = [r.id for r in self.running]
@@ -194,7 +241,7 @@ class Engine:
             fn(st)
         return outs
 
-    def _admit(self, st: StepStats) -> list[tuple[Request, RequestOutput]]:
+    def _admit(self, st: StepStats) -> None:
         """Prefill waiting requests while the batch and the KV budget allow (FIFO, no overtaking)."""
         new: list[Request] = []
         while len(self.running) + len(new) < self.config.max_batch_size:
@@ -205,15 +252,16 @@ class Engine:
             new.append(req)
             self.reserved += req.reserve
         if not new:
-            return []
+            return
         ids = [r.id for r in new]
         now = time.perf_counter()
         for r in new:
-            r.stats.queue_s = now - r.arrival
-        self.running += new  # before any worker call: a failure below must fail these too, not strand them
+            if not r.output_ids:  # first admission, not a resume
+                r.stats.queue_s = now - r.arrival
+        self.running += new  # before any worker call: a failure below must requeue these too, not strand them
         for w in (self.target, self.draft):
             if w is not None:
-                w.add(ids, [r.prompt_ids for r in new], [r.params for r in new])
+                w.add(ids, [r.context() for r in new], [r.worker_params() for r in new])
         t = time.perf_counter()
         _, first, features = self.target.verify(ids, Proposal(torch.zeros((len(ids), 0), dtype=torch.long)))
         st.verify_s += time.perf_counter() - t
@@ -223,9 +271,8 @@ class Engine:
             self.draft.commit(ids, [[f] for f in first])
             st.draft_s += time.perf_counter() - t
         st.prefilled = len(new)
-        outs = [(r, self._advance(r, [f])) for r, f in zip(new, first)]
+        self._outs += [(r, self._advance(r, [f])) for r, f in zip(new, first)]
         self._evict([r for r in new if r.finished])
-        return outs
 
     def _advance(self, req: Request, tokens: list[int]) -> RequestOutput:
         """Append accepted tokens to a request, applying EOS, max_tokens, context and stop strings."""
@@ -276,29 +323,111 @@ class Engine:
         self.running = [by_id[i] for i in order]
         self.reserved -= sum(r.reserve for r in reqs)
 
-    def _drop_cancelled(self) -> list[tuple[Request, RequestOutput]]:
+    def _drop_cancelled(self) -> None:
         gone = [r for r in self.running if r.cancelled]
-        outs = []
         for r in gone:
             out = RequestOutput(r.id)
             self._finish(r, out, "abort")
-            outs.append((r, out))
+            self._outs.append((r, out))
         self._evict(gone)
+
+    # ---- failure and repair ------------------------------------------------------------------
+    def _requeue(self, again: list[Request]) -> None:
+        """Put requests back at the head of the queue, in order, to be prefilled with their context."""
+        self.running, self.reserved = [], 0
+        now = time.perf_counter()
+        with self._queue_lock:
+            for r in reversed(again):
+                r.queued_at = now
+                self.waiting.appendleft(r)
+
+    def resume_running(self) -> list[tuple[Request, RequestOutput]]:
+        """After a failed step: requeue every unfinished running request for a resume, or end it
+        (503-style error) once it has been resumed `max_resumes` times. Returns the final outputs."""
+        outs, again = [], []
+        for r in self.running:
+            if r.finished:  # its final output is among the failed step's outputs already
+                continue
+            out = RequestOutput(r.id)
+            if r.cancelled:
+                self._finish(r, out, "abort")
+            elif r.stats.resumes >= self.config.max_resumes:
+                # No internals (actor ids, addresses) in what the client reads: the log has them.
+                self._finish(r, out, "error", f"the request failed {r.stats.resumes + 1} times because a model "
+                                              "worker crashed; giving up (retry later)")
+            else:
+                r.stats.resumes += 1
+                again.append(r)
+                continue
+            outs.append((r, out))
+        self._requeue(again)
         return outs
 
-    def fail_all(self, message: str) -> list[tuple[Request, RequestOutput]]:
-        """End every running request with an error (a step failed); waiting ones stay queued."""
+    @property
+    def speculating(self) -> bool:
+        """A draft is attached, or a replacement joins at the next step."""
+        return self.draft is not None or self._pending_draft is not None
+
+    def attach_draft(self, draft: ModelWorker) -> None:
+        """Bring a (replacement) draft in at the next step; callable from any thread."""
+        self._pending_draft = draft
+
+    def _rejoin_draft(self) -> None:
+        """A draft back after decoding without one: the running requests are prefilled again with
+        both workers (the draft needs their context, an EAGLE-style one the target's features too)."""
+        self.draft, self._pending_draft = self._pending_draft, None
+        self._link_draft()
+        for w in (self.target, self.draft):
+            w.reset()
+        self._requeue(list(self.running))
+
+    def request_repair(self) -> None:
+        """Check and repair the workers soon (e.g. a worker found dead while idle). Loop thread only."""
+        self._repair_needed = True
+        self._ensure_loop()
+
+    def _repair_workers(self) -> None:
+        if self.repair is not None:
+            self.repair(self)
+            self._link_draft()  # a new target must capture features for the draft again
+        for w in (self.target, self.draft):
+            if w is not None:
+                w.reset()
+
+    def _expire_waiting(self) -> list[tuple[Request, RequestOutput]]:
+        """During a repair: end new queued requests that waited longer than `recovery_wait_s`. Resumed
+        ones stay: their streams are under way, and `max_resumes` bounds them."""
+        now, limit = time.perf_counter(), self.config.recovery_wait_s
+        with self._queue_lock:
+            late = [r for r in self.waiting if not r.stats.resumes and now - r.queued_at > limit]
+            if late:  # by identity (Request is a dataclass: == would compare every field)
+                keep = [r for r in self.waiting if all(r is not x for x in late)]
+                self.waiting.clear()
+                self.waiting.extend(keep)
         outs = []
-        for r in self.running:
+        for r in late:
             out = RequestOutput(r.id)
-            self._finish(r, out, "error", message)
+            self._finish(r, out, "error", f"the service is recovering from a worker failure and could not take "
+                                          f"this request within {limit:g} s; retry shortly")
+            out.retry_after_s = max(1, round(limit / 10))
             outs.append((r, out))
-        try:
-            self._evict(list(self.running))
-        except Exception:  # a broken worker may not clean up; start its bookkeeping afresh
-            log.exception("evicting after a failed step")
-            self.running, self.reserved = [], 0
         return outs
+
+    async def _recover(self) -> None:
+        """Repair the workers in a thread; meanwhile requests wait in the queue, but not forever."""
+        self.repairing = True
+        try:
+            task = asyncio.ensure_future(asyncio.to_thread(self._repair_workers))
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.25)
+                self._deliver(self._expire_waiting())
+            task.result()
+        except Exception:
+            log.exception("worker repair failed")
+            await asyncio.sleep(1.0)  # the next step fails (bounded by max_resumes); no hot loop
+        finally:
+            self.repairing = False
+            self._repair_needed = False
 
     # ---- driving -----------------------------------------------------------------------------
     def run(self, requests: list[Request]) -> None:
@@ -307,10 +436,10 @@ class Engine:
             self.step()
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, resume: dict | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs as tokens are accepted. Raises ValueError on bad input."""
-        req = self.submit(prompt_ids, params, request_id)
+        req = self.submit(prompt_ids, params, request_id, resume)
         req.queue = asyncio.Queue()
         self._ensure_loop()
         try:
@@ -330,12 +459,20 @@ class Engine:
             self._loop_task = asyncio.get_running_loop().create_task(self._loop(), context=contextvars.Context())
 
     async def _loop(self) -> None:
-        while self.has_work():
+        while self.has_work() or self._repair_needed:
+            if self._repair_needed:
+                await self._recover()
+                continue
             try:
                 outs = await asyncio.to_thread(self.step)
-            except Exception as e:  # never leave callers hanging on a failed step
-                log.exception("engine step failed")
-                outs = self.fail_all(f"engine step failed: {type(e).__name__}: {e}")
-            for req, out in outs:
-                if req.queue is not None:
-                    req.queue.put_nowait(out)
+            except Exception:  # never leave callers hanging on a failed step: resume them
+                log.exception("engine step failed; resuming its requests on repaired workers")
+                outs = self._outs + self.resume_running()
+                self._repair_needed = True
+            self._deliver(outs)
+
+    @staticmethod
+    def _deliver(outs: list[tuple[Request, RequestOutput]]) -> None:
+        for req, out in outs:
+            if req.queue is not None:
+                req.queue.put_nowait(out)

@@ -16,6 +16,13 @@ class TextStream:
         self.sent = 0  # characters of text already released
         self.stopped = False
 
+    def resume(self, ids: list[int], sent_chars: int) -> None:
+        """Continue a stream another engine started: `ids` generated there, of whose text the client
+        already has `sent_chars` characters (text held back there is released from here)."""
+        self.ids = list(ids)
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        self.sent = min(sent_chars, len(self.text))
+
     def push(self, ids: list[int]) -> str:
         """Add generated ids; return newly final text. Sets `stopped` when a stop string appears."""
         self.ids.extend(ids)

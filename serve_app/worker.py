@@ -134,6 +134,10 @@ class ModelWorker:
             del self.seqs[sid]
         self.order = new_order
 
+    def reset(self) -> None:
+        """Drop every sequence (after a failed step: the engine prefills the survivors again)."""
+        self.remove(list(self.order))
+
     @torch.inference_mode()
     def prefill(self, seq_ids: list[str], features: list[torch.Tensor] | None = None) -> None:
         """Feed every pending token so the KV catches up (draft: prompts of new sequences). A draft

@@ -221,7 +221,7 @@ class FakeRouterHandle:
         assert stream
         return SimpleNamespace(generate=SimpleNamespace(remote=self.remote))
 
-    def remote(self, ids, params, rid, stream):
+    def remote(self, ids, params, rid, stream, resume=None):
         self.streams.append(FakeEvents(**self.events_kw))
         return self.streams[-1]
 
@@ -236,6 +236,7 @@ def make_ingress(handle):
     ing = object.__new__(Ingress)
     ing.routers, ing.in_flight = {"A": handle}, {"A": 0}
     ing.model_name, ing.max_tokens_limit, ing.max_stop_strings = "m", 100, 4
+    ing.draining, ing.max_resubmits, ing.resubmit_wait_s = False, 2, 5.0
     return ing
 
 

@@ -77,3 +77,22 @@ def test_greedy_identical_to_hf_generate(models, layers_draft, prompts, referenc
 def test_truncated_draft_bounds(models):
     with pytest.raises(ValueError, match="has 30 layers"):
         truncated_draft(models.target, 31)
+
+
+def test_embedded_loads_from_a_converted_copy_identical_to_the_gguf(tmp_path, monkeypatch):
+    """The .gguf is converted once to safetensors (what every later start reads: ~1 s, not ~15 s);
+    the copy computes exactly what the .gguf does and tokenizes the same."""
+    from serve_app.models import _from_pretrained, embedded_source
+
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    src = embedded_source()
+    assert src.startswith(str(tmp_path)) and embedded_source() == src  # converted once, then reused
+    assert [p.name for p in tmp_path.iterdir()] == [src.rsplit("/", 1)[1]]  # no temporary left behind
+    direct, tok_direct = _from_pretrained(str(embedded_gguf()), "float32", "cpu", "model")
+    copy, tok_copy = _from_pretrained(src, "float32", "cpu", "model")
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Ünïcode, 日本, and code: x = 1"}]
+    ids = encode_chat(tok_direct, msgs)
+    assert encode_chat(tok_copy, msgs) == ids and tok_copy.decode(ids) == tok_direct.decode(ids)
+    assert tok_copy.eos_token_id == tok_direct.eos_token_id
+    with torch.inference_mode():
+        assert torch.equal(copy(torch.tensor([ids])).logits, direct(torch.tensor([ids])).logits)

@@ -511,3 +511,27 @@ def test_make_dashboards_provisions_through_grafana_client(grafana, monkeypatch,
     monkeypatch.delenv("GRAFANA_URL")
     assert dashboards.main([]) == 2
     assert dashboards.main(["--dry-run"]) == 0
+
+
+@pytest.mark.parametrize("manifest", ["rayservice.yaml", "rayservice-cpu.yaml"])
+def test_pods_drain_before_they_go_and_workers_are_ready_only_when_the_service_is(manifest):
+    """preStop runs `specserve drain` (in-flight requests finish; its timeout = the app's drain_timeout_s),
+    Kubernetes waits longer than that before it kills, and a worker pod is ready once /readyz is."""
+    from deployments.config import AppConfig
+    from serve_app.cli import _parser
+
+    [rs] = [d for name, d in rayservices() if name == manifest]
+    drain_s = AppConfig.model_validate(serve_config(rs)["applications"][0]["args"]).drain_timeout_s
+    for role, template in pod_templates(rs):
+        spec = template["spec"]
+        for c in spec["containers"]:
+            cmd = c["lifecycle"]["preStop"]["exec"]["command"]
+            assert cmd[:3] == ["python", "-m", "serve_app.cli"]
+            args = _parser().parse_args(cmd[3:])  # a command the CLI accepts
+            assert args.func.__name__ == "_cmd_drain" and args.timeout == drain_s
+            assert spec["terminationGracePeriodSeconds"] >= drain_s + 15
+            probe = c["readinessProbe"]["httpGet"]
+            if role == "head":  # KubeRay deploys the app only once the head is ready: not /readyz there
+                assert probe["path"] == "/api/gcs_healthz"
+            else:
+                assert probe == {"path": "/readyz", "port": 8000}

@@ -98,6 +98,10 @@ class NgramWorker:
         for sid in gone:
             del self.seqs[sid]
 
+    def reset(self) -> None:
+        """Drop every sequence (after a failed step)."""
+        self.remove(list(self.order))
+
     def prefill(self, seq_ids: list[str], features: list[torch.Tensor] | None = None) -> None:
         """Nothing to feed: add() indexed the prompts. Checks the rows like ModelWorker does."""
         self._rows(seq_ids)
