@@ -26,7 +26,8 @@ def served_name(cfg: AppConfig) -> str:
 
 def build_app(args: dict | None = None) -> Application:
     cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
-    store = ProfileStore.bind(cfg.profiles_dir)
+    logs = {"enable_access_log": cfg.access_log}
+    store = ProfileStore.options(logging_config=logs).bind(cfg.profiles_dir)
     routers = []
     for g in cfg.groups:
         actor_options: dict = {"num_cpus": 0}
@@ -38,9 +39,10 @@ def build_app(args: dict | None = None) -> Application:
             Router.options(
                 name=f"Router-{g.name}", num_replicas=g.num_replicas, ray_actor_options=actor_options,
                 health_check_period_s=cfg.health_check_period_s, graceful_shutdown_timeout_s=cfg.drain_timeout_s,
+                logging_config=logs,
             ).bind(g.model_dump(), cfg.model.model_dump(), cfg.engine.model_dump(), cfg.max_queue, store, cfg.profile_poll_s)
         )
-    return OpenAIIngress.options(graceful_shutdown_timeout_s=cfg.drain_timeout_s).bind(
+    return OpenAIIngress.options(graceful_shutdown_timeout_s=cfg.drain_timeout_s, logging_config=logs).bind(
         routers, [g.name for g in cfg.groups], cfg.model.target, served_name(cfg),
-        cfg.max_tokens_limit, cfg.engine.max_stop_strings, cfg.engine.max_resumes, cfg.replica_wait_s,
+        cfg.max_tokens_limit, cfg.engine.max_stop_strings, cfg.engine.max_resumes, cfg.replica_wait_s, store,
     )

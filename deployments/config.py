@@ -64,6 +64,9 @@ class AppConfig(BaseModel):
     replica_wait_s: float = Field(120, gt=0)
     """When a Router replica dies, how long the ingress keeps trying to resubmit its requests to the
     group (a live replica, or the replacement Serve starts) before answering 503."""
+    access_log: bool = False
+    """Log a line per request and per internal call (Serve's access log). Off by default: errors and
+    state changes (a worker replaced, a profile pushed) are logged either way."""
     drain_timeout_s: float = Field(60, gt=0)
     """On shutdown (SIGTERM to `specserve serve`, a pod deleted, a RayService upgrade) new requests get
     503 and in-flight ones get this long to finish. Keep Kubernetes' terminationGracePeriodSeconds above it."""

@@ -9,6 +9,7 @@ the tokens already received as context (`RouterStream`). `drain()` stops admitti
 
 
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -19,12 +20,13 @@ from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
 from serve_app.models import load_tokenizer
-from serve_app.prompts import encode_prompt
+from serve_app.prompts import check_text, encode_prompt
 
 app = FastAPI(title="specserve", description="OpenAI-compatible speculative decoding server")
 log = logging.getLogger("ray.serve")
@@ -48,6 +50,20 @@ class APIError(Exception):
 async def _api_error(request: Request, e: APIError):
     headers = {"Retry-After": str(e.retry_after)} if e.retry_after else None
     return error_response(e.status, e.message, e.param, e.code, headers)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, e: StarletteHTTPException):
+    """FastAPI's own refusals (a body it cannot parse, an unknown path or method) in OpenAI's shape too."""
+    return error_response(e.status_code, str(e.detail), code={404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "invalid_request"),
+                          headers=getattr(e, "headers", None))
+
+
+@app.exception_handler(Exception)
+async def _unexpected(request: Request, e: Exception):
+    """A bug, not the client's fault: an OpenAI-style 500 that says nothing internal (the log has it)."""
+    log.exception("unhandled error in %s %s", request.method, request.url.path)
+    return error_response(500, "internal error; the server log has the details", code="internal_error")
 
 
 @app.exception_handler(RequestValidationError)
@@ -88,6 +104,7 @@ class RouterStream:
         self.sent_chars = 0  # characters of text the client has been given
         self.resubmits = 0
         self.events = None
+        self.finished = False  # the last event ended the request (nothing left to cancel)
         self._got_event = False
 
     def start(self) -> None:
@@ -106,16 +123,19 @@ class RouterStream:
             try:
                 ev = await self.events.__anext__()
             except StopAsyncIteration:
+                self.finished = True
                 return _error_event("engine stream ended early")
             except Exception as e:  # the Router replica died (or is unreachable)
                 if self._got_event:
                     self.resubmits += 1
                     if self.resubmits > self.max_resubmits:
+                        self.finished = True
                         return _error_event(f"the request failed {self.resubmits} times because an engine "
                                             "replica crashed; giving up (retry later)")
                     deadline = None
                 deadline = deadline or time.monotonic() + self.wait_s
                 if time.monotonic() > deadline:
+                    self.finished = True
                     return _error_event("no engine replica of this group is available; retry later")
                 log.warning("request %s: engine replica failed (%s); resubmitting with %d tokens received",
                             self.rid, type(e).__name__, len(self.received))
@@ -125,6 +145,7 @@ class RouterStream:
             self._got_event = True
             self.received += ev.get("token_ids", [])
             self.sent_chars += len(ev.get("text", ""))
+            self.finished = bool(ev.get("finished")) or "error" in ev
             return ev
 
 
@@ -181,35 +202,106 @@ class SamplingFields(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, ge=-1, le=2**31 - 1)
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: dict | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     logprobs: bool | int | None = None
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]
+    """A string, several strings (one choice each), token ids, or several lists of token ids."""
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    model_config = ConfigDict(extra="ignore")  # name, tool_calls, tool_call_id, ...
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list | None = None
 
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1)
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+# (name, type, help, how to read it from a snapshot: counter/gauge key)
+_SERIES = [
+    ("specserve_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", ("counters", "prompt_tokens")),
+    ("specserve_generated_tokens_total", "counter", "Tokens generated.", ("counters", "generated_tokens")),
+    ("specserve_proposed_tokens_total", "counter", "Draft tokens proposed.", ("counters", "draft_tokens")),
+    ("specserve_accepted_tokens_total", "counter", "Draft tokens accepted.", ("counters", "accepted_tokens")),
+    ("specserve_batch_size", "gauge", "Sequences in the last engine step.", ("gauges", "batch_size")),
+    ("specserve_speculation_k", "gauge", "Speculation length chosen for the last step.", ("gauges", "k")),
+    ("specserve_queue_depth", "gauge", "Requests waiting for admission.", ("gauges", "waiting")),
+    ("specserve_acceptance_estimate", "gauge", "Live per-token draft acceptance estimate.", ("gauges", "acceptance_estimate")),
+    ("vllm:num_requests_running", "gauge", "Requests in the running batch.", ("gauges", "running")),
+    ("vllm:num_requests_waiting", "gauge", "Requests waiting for admission.", ("gauges", "waiting")),
+    ("vllm:prompt_tokens_total", "counter", "Prompt tokens of finished requests.", ("counters", "prompt_tokens")),
+    ("vllm:generation_tokens_total", "counter", "Tokens generated.", ("counters", "generated_tokens")),
+    ("vllm:spec_decode_num_drafts_total", "counter", "Draft proposals (one per sequence per step with k > 0).", ("counters", "drafts")),
+    ("vllm:spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed.", ("counters", "draft_tokens")),
+    ("vllm:spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.", ("counters", "accepted_tokens")),
+]
+
+
+def render_metrics(snapshots: dict[str, dict], model_name: str) -> str:
+    """Prometheus text exposition of the Router replicas' snapshots (labels: model_name, group,
+    gpu_type, replica)."""
+    def labels(replica: str, snap: dict, **extra) -> str:
+        pairs = {"model_name": model_name, "group": snap["group"], "gpu_type": snap["gpu_type"], "replica": replica, **extra}
+        return ",".join(f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
+                        for k, v in pairs.items())
+
+    lines = []
+    for name, kind, help_text, (part, key) in _SERIES:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        lines += [f"{name}{{{labels(r, s)}}} {float(s[part][key])}" for r, s in snapshots.items()]
+    name = "specserve_requests_total"
+    lines += [f"# HELP {name} Finished requests by status.", f"# TYPE {name} counter"]
+    lines += [f"{name}{{{labels(r, s, status=st)}}} {float(n)}"
+              for r, s in snapshots.items() for st, n in sorted(s["counters"]["requests"].items())]
+    name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    lines += [f"# HELP {name} Draft tokens accepted, by position in the draft.", f"# TYPE {name} counter"]
+    lines += [f"{name}{{{labels(r, s, position=i)}}} {float(n)}"
+              for r, s in snapshots.items() for i, n in enumerate(s["counters"]["accepted_per_position"])]
+    return "\n".join(lines) + "\n"
+
+
+MAX_CHOICES = 16
+"""Most choices one request may ask for (prompts x n): each is a sequence in the batch."""
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, routers: list, groups: list[str], target: str, served_model_name: str,
-                 max_tokens_limit: int, max_stop_strings: int, max_resubmits: int = 2, resubmit_wait_s: float = 120.0):
+                 max_tokens_limit: int, max_stop_strings: int, max_resubmits: int = 2, resubmit_wait_s: float = 120.0,
+                 store=None):
         self.routers = dict(zip(groups, routers))
+        self.store = store  # the ProfileStore, where Router replicas leave their counters (/metrics)
         self.max_resubmits, self.resubmit_wait_s = max_resubmits, resubmit_wait_s
         self.draining = False
         self.in_flight = {g: 0 for g in groups}
@@ -251,6 +343,13 @@ class OpenAIIngress:
     def pid(self) -> int:
         return os.getpid()
 
+    @app.get("/metrics")
+    async def metrics(self):
+        """Prometheus text on the API port: every Router replica's counters and gauges, as of its last
+        report (every `profile_poll_s`), including speculative decoding under vLLM's series names."""
+        snapshots = await self.store.metrics.remote() if self.store is not None else {}
+        return PlainTextResponse(render_metrics(snapshots, self.model_name), media_type="text/plain; version=0.0.4")
+
     @app.get("/v1/models")
     async def models(self, request: Request):
         self._auth(request)
@@ -259,24 +358,56 @@ class OpenAIIngress:
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
         self._auth(request)
-        prompt = body.prompt
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise APIError(400, "prompt: send one prompt per request (a list of exactly one string)", "prompt")
-            prompt = prompt[0]
-        ids = self._encode(prompt=prompt)
-        return await self._respond(request, body, ids, body.max_tokens or 16, chat=False)
+        return await self._respond(request, body, self._completion_prompts(body.prompt), body.max_tokens or 16, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(self, body: ChatRequest, request: Request):
         self._auth(request)
         ids = self._encode(messages=[m.model_dump() for m in body.messages])
-        return await self._respond(request, body, ids, body.max_completion_tokens or body.max_tokens or 256, chat=True)
+        return await self._respond(request, body, [ids], body.max_completion_tokens or body.max_tokens or 256, chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest, request: Request):
+        self._auth(request)
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' or 'messages'", code="invalid_value")
+        if body.messages is not None:
+            ids = self._encode(messages=[m.model_dump() for m in body.messages])
+        else:
+            try:
+                ids = self.tokenizer.encode(check_text(body.prompt, "prompt"), add_special_tokens=body.add_special_tokens)
+            except ValueError as e:
+                raise APIError(400, str(e), "prompt", "invalid_value") from None
+        return {"count": len(ids), "max_model_len": await self._max_model_len(), "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest, request: Request):
+        self._auth(request)
+        self._check_model(body.model)
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"tokens: ids must be in [0, {vocab})", "tokens", "invalid_value")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
 
     # ---- helpers -----------------------------------------------------------------------------
     def _auth(self, request: Request) -> None:
-        if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
+        given = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
+        # constant time: how long the comparison takes says nothing about how much of the key matched
+        if self.api_key and not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
             raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(400, f"model '{model}' is not served here; available: {self.model_name}", "model", "model_not_found")
+
+    async def _max_model_len(self) -> int | None:
+        if not hasattr(self, "_model_len"):
+            try:  # every group serves the same target; ask one
+                self._model_len = await self.routers[next(iter(self.routers))].max_model_len.remote()
+            except Exception:
+                return None
+        return self._model_len
 
     def _encode(self, prompt=None, messages=None) -> list[int]:
         try:
@@ -284,104 +415,190 @@ class OpenAIIngress:
         except ValueError as e:
             raise APIError(400, str(e), "messages" if messages is not None else "prompt", "invalid_value") from None
 
+    def _completion_prompts(self, prompt) -> list[list[int]]:
+        """One list of token ids per prompt: a string, strings, token ids, or lists of token ids."""
+        if isinstance(prompt, str):
+            return [self._encode(prompt=prompt)]
+        if not prompt:
+            raise APIError(400, "prompt: an empty list", "prompt", "invalid_value")
+        if isinstance(prompt[0], int):
+            return [list(prompt)]
+        if isinstance(prompt[0], str):
+            return [self._encode(prompt=p) for p in prompt]
+        if any(not ids for ids in prompt):
+            raise APIError(400, "prompt: an empty list of token ids", "prompt", "invalid_value")
+        return [list(ids) for ids in prompt]
+
+    def _logprobs(self, body: SamplingFields) -> int | None:
+        """How many alternatives per token to return log-probabilities for (None: no log-probabilities).
+        Chat: `logprobs: true` + `top_logprobs`; completions: `logprobs: N`."""
+        if isinstance(body, ChatRequest):
+            if body.top_logprobs is not None and not body.logprobs:
+                raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs", "invalid_value")
+            return (body.top_logprobs or 0) if body.logprobs else None
+        if body.logprobs is None or body.logprobs is False:
+            return None
+        if not 0 <= int(body.logprobs) <= 20:
+            raise APIError(400, "logprobs: an integer from 0 to 20", "logprobs", "invalid_value")
+        return int(body.logprobs)
+
     def _params(self, body: SamplingFields, max_tokens: int) -> dict:
-        if body.model != self.model_name:
-            raise APIError(400, f"model '{body.model}' is not served here; available: {self.model_name}", "model", "model_not_found")
-        if body.n != 1:
-            raise APIError(400, "n: only n=1 is supported", "n", "invalid_value")
-        if body.logprobs:
-            raise APIError(400, "logprobs: not supported", "logprobs", "invalid_value")
+        self._check_model(body.model)
+        logprobs = self._logprobs(body)
         if max_tokens > self.max_tokens_limit:
             raise APIError(400, f"max_tokens: {max_tokens} is over this server's limit of {self.max_tokens_limit}", "max_tokens", "invalid_value")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > self.max_stop_strings or any(not s for s in stop):
             raise APIError(400, f"stop: at most {self.max_stop_strings} non-empty stop strings", "stop", "invalid_value")
+        try:
+            for s in stop:
+                check_text(s, "stop")
+        except ValueError as e:
+            raise APIError(400, str(e), "stop", "invalid_value") from None
         return {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
-                "top_k": max(body.top_k, 0), "seed": body.seed, "stop": stop}
+                "top_k": max(body.top_k, 0), "seed": body.seed, "stop": stop, "logprobs": logprobs}
+
+    def _token(self, tid: int) -> dict:
+        text = self.tokenizer.decode([tid])
+        return {"token": text, "bytes": list(text.encode("utf-8", "surrogatepass"))}
+
+    def _format_logprobs(self, ids: list[int], lps: list | None, chat: bool, offset: int = 0) -> dict | None:
+        """OpenAI's logprobs object: chat {"content": [...]}, completions {tokens, token_logprobs, ...}."""
+        if lps is None:
+            return None
+        if chat:
+            return {"content": [{**self._token(t), "logprob": lp,
+                                 "top_logprobs": [{**self._token(a), "logprob": alp} for a, alp in alts]}
+                                for t, (lp, alts) in zip(ids, lps)], "refusal": None}
+        tokens = [self._token(t)["token"] for t in ids]
+        offsets = [offset + sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [lp for lp, _ in lps], "text_offset": offsets,
+                "top_logprobs": [{self._token(a)["token"]: alp for a, alp in alts} for _, alts in lps]}
 
     def _pick_group(self) -> str:
         return min(self.in_flight, key=self.in_flight.get)
 
-    async def _respond(self, request: Request, body: SamplingFields, ids: list[int], max_tokens: int, chat: bool):
+    async def _respond(self, request: Request, body: SamplingFields, prompts: list[list[int]], max_tokens: int, chat: bool):
+        """Each choice (prompts x n) is its own request to the least-loaded group; the answers merge."""
         params = self._params(body, max_tokens)
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise APIError(400, f"n: at most {MAX_CHOICES} choices per request (prompts x n)", "n", "invalid_value")
         if self.draining:
             raise APIError(503, "the server is shutting down; retry on another instance", code="draining", retry_after=5)
         rid = request_id(request)
-        group = self._pick_group()
-        lease = _GroupLease(self.in_flight, group)
-        stream = None  # once set, the SSE generator owns the lease
+        jobs = [(ids, params if params["seed"] is None else {**params, "seed": params["seed"] + j})
+                for ids in prompts for j in range(body.n)]  # choice index = prompt index * n + j
+        leases: list[_GroupLease] = []
+        stream = None  # once set, the SSE generator owns the leases
         try:
-            events = lease.upstream = RouterStream(self.routers[group], ids, params, rid, body.stream,
-                                                   self.max_resubmits, self.resubmit_wait_s)
-            events.start()
-            first = await events.next()
-            if "error" in first:
-                status = first["status"]
-                code = {400: "invalid_value", 503: "engine_unavailable"}.get(status)
-                raise APIError(status, first["error"], code=code, retry_after=first.get("retry_after"))
+            for c, (ids, p) in enumerate(jobs):
+                lease = _GroupLease(self.in_flight, self._pick_group())
+                leases.append(lease)
+                lease.upstream = RouterStream(self.routers[lease.group], ids, p, rid if len(jobs) == 1 else f"{rid}-{c}",
+                                              body.stream, self.max_resubmits, self.resubmit_wait_s)
+                lease.upstream.start()
+            firsts = await asyncio.gather(*(lease.upstream.next() for lease in leases))
+            for first in firsts:
+                if "error" in first:
+                    status = first["status"]
+                    code = {400: "invalid_value", 503: "engine_unavailable"}.get(status)
+                    raise APIError(status, first["error"], code=code, retry_after=first.get("retry_after"))
             meta = {"id": ("chatcmpl-" if chat else "cmpl-") + rid, "created": int(time.time()), "model": self.model_name}
+            n_prompt = sum(len(ids) for ids in prompts)
             if not body.stream:
-                return await self._collect(first, events, meta, len(ids), chat)
+                return await self._collect(firsts, leases, meta, n_prompt, chat)
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            stream = self._sse(first, events, meta, len(ids), chat, include_usage, lease)
-            lease.end_with(stream)
+            stream = self._sse(firsts, leases, meta, n_prompt, chat, include_usage)
+            for lease in leases:
+                lease.end_with(stream)
             return StreamingResponse(stream, media_type="text/event-stream")
         except asyncio.CancelledError:  # the client left while this handler waited on the engine
-            lease.end(finished=False)
+            for lease in leases:
+                lease.end(finished=False)
             raise
         finally:
-            if stream is None:  # answered or refused here: the router's stream is over (or never began)
-                lease.end(finished=True)
+            if stream is None:  # answered or refused here: cancel what is still generating for nobody
+                for lease in leases:
+                    lease.end(finished=lease.upstream is None or lease.upstream.finished)
 
-    async def _collect(self, first: dict, events, meta: dict, n_prompt: int, chat: bool):
-        text, n_out, ev = [first["text"]], len(first["token_ids"]), first
-        while not ev["finished"]:
-            ev = await events.next()
-            text.append(ev["text"])
-            n_out += len(ev["token_ids"])
-        if ev.get("error"):
-            raise APIError(503, ev["error"], code="engine_error")
-        content = "".join(text)
-        choice = {"index": 0, "finish_reason": ev["finish_reason"]}
-        choice.update({"message": {"role": "assistant", "content": content}} if chat else {"text": content, "logprobs": None})
-        return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+    async def _collect(self, firsts: list[dict], leases: list[_GroupLease], meta: dict, n_prompt: int, chat: bool):
+        async def one(first: dict, events: RouterStream) -> tuple[str, list[int], list | None, str | None]:
+            text, ids, ev = [first["text"]], list(first["token_ids"]), first
+            lps = list(first["logprobs"]) if "logprobs" in first else None
+            while not ev["finished"]:
+                ev = await events.next()
+                text.append(ev["text"])
+                ids += ev["token_ids"]
+                if lps is not None:
+                    lps += ev.get("logprobs", [])
+            if ev.get("error"):
+                raise APIError(503, ev["error"], code="engine_error")
+            return "".join(text), ids, lps, ev["finish_reason"]
+
+        answers = await asyncio.gather(*(one(f, lease.upstream) for f, lease in zip(firsts, leases)))
+        choices = []
+        for c, (content, ids, lps, reason) in enumerate(answers):
+            choice = {"index": c, "finish_reason": reason, "logprobs": self._format_logprobs(ids, lps, chat)}
+            choice.update({"message": {"role": "assistant", "content": content}} if chat else {"text": content})
+            choices.append(choice)
+        n_out = sum(len(ids) for _, ids, _, _ in answers)
+        return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
                 "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}}
 
-    async def _sse(self, first: dict, events, meta: dict, n_prompt: int, chat: bool, include_usage: bool,
-                   lease: _GroupLease):
+    async def _sse(self, firsts: list[dict], leases: list[_GroupLease], meta: dict, n_prompt: int, chat: bool,
+                   include_usage: bool):
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
+        offsets = [0] * len(leases)  # completions' text_offset runs on across chunks
+
+        def chunk(c: int, text: str | None, finish: str | None, role: bool = False, ev: dict | None = None) -> str:
+            lps = self._format_logprobs(ev["token_ids"], ev["logprobs"], chat, offsets[c]) if ev and "logprobs" in ev else None
             if chat:
                 delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+                choice = {"index": c, "delta": delta, "logprobs": lps, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": c, "text": text or "", "logprobs": lps, "finish_reason": finish}
+                offsets[c] += len(text or "")
             return f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice]})}\n\n"
 
-        n_out, finished = 0, False
+        # One pump per choice feeds a queue, so choices stream as their tokens come, interleaved. The
+        # queue is small: a slow client slows the pumps (backpressure), and a client that leaves finds
+        # the router requests still going, so they are cancelled.
+        queue: asyncio.Queue = asyncio.Queue(maxsize=len(leases))
+
+        async def pump(c: int, ev: dict, events: RouterStream) -> None:
+            while True:
+                await queue.put((c, ev))
+                if ev["finished"]:
+                    return
+                ev = await events.next()
+
+        pumps = [asyncio.ensure_future(pump(c, f, lease.upstream)) for c, (f, lease) in enumerate(zip(firsts, leases))]
+        n_out, open_choices = 0, len(pumps)
         try:
             if chat:
-                yield chunk("", None, role=True)
-            ev = first
-            while True:
+                for c in range(len(pumps)):
+                    yield chunk(c, "", None, role=True)
+            while open_choices:
+                c, ev = await queue.get()
                 n_out += len(ev["token_ids"])
                 if ev.get("error"):
                     err = {"message": ev["error"], "type": ERROR_TYPES[503], "param": None, "code": "engine_error"}
                     yield f"data: {json.dumps({'error': err})}\n\n"
                     return
-                if ev["text"]:
-                    yield chunk(ev["text"], None)
+                if ev["text"] or ev.get("logprobs"):
+                    yield chunk(c, ev["text"], None, ev=ev)
                 if ev["finished"]:
-                    finished = True
-                    yield chunk(None if chat else "", ev["finish_reason"])
-                    break
-                ev = await events.next()
+                    open_choices -= 1
+                    yield chunk(c, None if chat else "", ev["finish_reason"])
             if include_usage:
                 usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
                 yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            # Not finished: the client left mid-stream (or an error event ended it), so cancel the
-            # router request. A generator that never started never gets here: see `_GroupLease`.
-            lease.end(finished)
+            for t in pumps:
+                t.cancel()
+            # A choice not finished: the client left mid-stream (or an error event ended it), so cancel
+            # its router request. A generator that never started never gets here: see `_GroupLease`.
+            for lease in leases:
+                lease.end(lease.upstream.finished)

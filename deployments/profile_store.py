@@ -1,7 +1,9 @@
 """ProfileStore: the one shared copy of the speculation profiles, keyed by hardware type, versioned.
 
 Routers read their hardware type's profile at start and poll for a newer version; `specserve
-profiles push FILE` replaces a profile while the service runs (no restart).
+profiles push FILE` replaces a profile while the service runs (no restart). With each poll a Router
+also leaves its counters here, so the ingress can serve every replica's series on the API port
+(`/metrics`) without knowing where the replicas run.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ class ProfileStore:
     def __init__(self, profiles_dir: str | None):
         self.profiles: dict[str, Profile] = load_profiles(profiles_dir) if profiles_dir else {}
         self.versions: dict[str, int] = {name: 1 for name in self.profiles}
+        self.snapshots: dict[str, dict] = {}  # Router replica id -> its counters (see `report`)
 
     def get(self, gpu_type: str) -> tuple[int, dict | None]:
         """(version, profile as a dict) for a hardware type; (0, None) if there is none."""
@@ -31,3 +34,10 @@ class ProfileStore:
 
     def list(self) -> dict[str, int]:
         return dict(self.versions)
+
+    def report(self, replica: str, snapshot: dict) -> None:
+        """A Router replica's latest counters and gauges (kept after it dies: counters stay monotonic)."""
+        self.snapshots[replica] = snapshot
+
+    def metrics(self) -> dict[str, dict]:
+        return dict(self.snapshots)

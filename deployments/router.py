@@ -74,11 +74,19 @@ class Router:
         self.repair_failures = 0  # consecutive; past a few, the health check gives up on this replica
         self.starting: set[int] = set()  # actors being replaced in the background (a draft)
         self.resumed = 0  # finished requests that were resumed after a worker or replica failure
+        # What /metrics on the API port shows (reported to the store with each profile poll).
+        self.totals = self.new_totals()
+        self.last_step = {"batch_size": 0, "k": 0}
         self.k_tally: Tally = Tally()
         self.observed = AcceptanceEstimate(0.0)  # live acceptance under any policy (adaptive keeps its own)
         self.max_batch_seen = 0
         self._poll_task: asyncio.Task | None = None
         self._metrics()
+
+    @staticmethod
+    def new_totals() -> dict:
+        return {"requests": Tally(), "prompt_tokens": 0, "generated_tokens": 0, "drafts": 0,
+                "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_position": Tally()}
 
     # ---- setup -------------------------------------------------------------------------------
     def _resources(self) -> dict:
@@ -227,7 +235,7 @@ class Router:
             self.m_requests.inc(tags={"status": "400"})
             yield {"error": f"{'.'.join(map(str, err['loc']))}: {err['msg']}", "status": 400}
             return
-        text, token_ids = [], []
+        text, token_ids, logprobs = [], [], []
         recorded = False  # a final output was counted: a caller leaving after it is not a 499 too
         try:
             # aclosing: when the caller leaves, the engine stream's `finally` aborts the request now
@@ -242,8 +250,10 @@ class Router:
                         continue
                     text.append(out.text)
                     token_ids += out.token_ids
+                    logprobs += out.logprobs or []
                     if out.finished:
                         out.text, out.token_ids = "".join(text), token_ids
+                        out.logprobs = logprobs if sampling.logprobs is not None else None
                         yield self._event(out)
         except ValueError as e:  # refused by Engine.submit before anything was generated
             self.m_requests.inc(tags={"status": "400"})
@@ -260,6 +270,8 @@ class Router:
 
     def _event(self, out: RequestOutput) -> dict:
         ev = {"text": out.text, "token_ids": out.token_ids, "finished": out.finished, "finish_reason": out.finish_reason}
+        if out.logprobs is not None:
+            ev["logprobs"] = out.logprobs
         if out.error:
             ev.update(error=out.error, status=503)
             if out.retry_after_s:
@@ -271,6 +283,9 @@ class Router:
     def _record_request(self, out: RequestOutput) -> None:
         status = {"error": "503", "abort": "499"}.get(out.finish_reason, "200")
         self.m_requests.inc(tags={"status": status})
+        self.totals["requests"][status] += 1
+        self.totals["prompt_tokens"] += out.stats.prompt_tokens
+        self.totals["generated_tokens"] += max(out.stats.generated_tokens - out.stats.carried_tokens, 0)
         s = out.stats
         if s.resumes:
             self.m_resumed.inc()
@@ -289,6 +304,13 @@ class Router:
         if st.batch_size:
             self.m_batch.set(st.batch_size)
             self.m_k.set(st.k)
+            self.last_step = {"batch_size": st.batch_size, "k": st.k}
+            t = self.totals
+            t["drafts"] += st.batch_size if st.k else 0
+            t["draft_tokens"] += st.proposed
+            t["accepted_tokens"] += st.accepted
+            for i, n in enumerate(st.accepted_per_position):
+                t["accepted_per_position"][i] += n
             self.k_tally[st.k] += 1
             self.max_batch_seen = max(self.max_batch_seen, st.batch_size)
             if st.proposed:
@@ -313,6 +335,10 @@ class Router:
             except Exception:  # the store restarting is not the router's failure
                 log.warning("profile store unreachable", exc_info=True)
                 continue
+            try:
+                await self.store.report.remote(serve.get_replica_context().replica_id.unique_id, self.snapshot())
+            except Exception:
+                log.warning("could not report metrics to the store", exc_info=True)
             if version != self.profile_version:
                 self.profile_version, self.profile = version, profile
                 self.engine.policy = self._policy()  # the next step uses it
@@ -360,6 +386,19 @@ class Router:
     def acceptance_estimate(self) -> float:
         """The adaptive policy's own estimate (what it steers by), else the router's of the same kind."""
         return getattr(self.engine.policy, "acceptance_estimate", self.observed.value)
+
+    def snapshot(self) -> dict:
+        """Counters and gauges of this replica, for /metrics on the API port."""
+        t = self.totals
+        return {"group": self.group.name, "gpu_type": self.gpu_type, "time": time.time(),
+                "counters": {**{k: v for k, v in t.items() if not isinstance(v, Tally)},
+                             "requests": dict(t["requests"]),
+                             "accepted_per_position": [t["accepted_per_position"][i] for i in range(len(t["accepted_per_position"]))]},
+                "gauges": {**self.last_step, "running": len(self.engine.running), "waiting": len(self.engine.waiting),
+                           "acceptance_estimate": self.acceptance_estimate()}}
+
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
 
     async def pids(self) -> dict[str, int]:
         """Process ids of this replica and its workers (the soak samples their memory)."""

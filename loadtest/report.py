@@ -30,19 +30,21 @@ from pathlib import Path
 # ---- polling ----------------------------------------------------------------------------------
 
 GAUGES = {
-    "batch_size": "ray_specserve_batch_size",
-    "k": "ray_specserve_speculation_k",
-    "queue_depth": "ray_specserve_queue_depth",
+    "batch_size": "specserve_batch_size",
+    "k": "specserve_speculation_k",
+    "queue_depth": "specserve_queue_depth",
 }
 """Gauges recorded per group: batch size and k are averaged over the group's router replicas,
 queue depth is summed."""
 COUNTERS = {
-    "generated_tokens": "ray_specserve_generated_tokens_total",
-    "proposed_tokens": "ray_specserve_proposed_tokens_total",
-    "accepted_tokens": "ray_specserve_accepted_tokens_total",
-    "requests": "ray_specserve_requests_total",
+    "generated_tokens": "specserve_generated_tokens_total",
+    "proposed_tokens": "specserve_proposed_tokens_total",
+    "accepted_tokens": "specserve_accepted_tokens_total",
+    "requests": "specserve_requests_total",
 }
-"""Counters recorded per group (summed over replicas and statuses); rates come from differences."""
+"""Counters recorded per group (summed over replicas and statuses); rates come from differences.
+Names as the service's API port (/metrics) serves them; Ray's metrics export port serves the same
+series with a `ray_` prefix, and both are read."""
 FIELDS = ["timestamp", "users", "gpu_type", "group", *GAUGES, *COUNTERS]
 
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{(.*)\})?\s+(\S+)")
@@ -93,7 +95,7 @@ def scrape(urls: list[str], timeout: float = 5.0) -> list[tuple[str, dict[str, s
 
 
 def _query_prometheus(base: str, timeout: float) -> list[tuple[str, dict[str, str], float]]:
-    names = "|".join([*GAUGES.values(), *COUNTERS.values()])
+    names = "|".join(f"(ray_)?{n}" for n in [*GAUGES.values(), *COUNTERS.values()])
     query = urllib.parse.urlencode({"query": f'{{__name__=~"{names}"}}'})
     with urllib.request.urlopen(f"{base}/api/v1/query?{query}", timeout=timeout) as r:
         data = json.loads(r.read())
@@ -109,7 +111,7 @@ def group_sample(samples: list[tuple[str, dict[str, str], float]]) -> dict[tuple
     values: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     by_name = {v: k for k, v in {**GAUGES, **COUNTERS}.items()}
     for name, labels, value in samples:
-        field = by_name.get(name)
+        field = by_name.get(name.removeprefix("ray_"))
         if field is None or math.isnan(value):
             continue
         values[(labels.get("gpu_type", ""), labels.get("group", ""))][field].append(value)

@@ -1,7 +1,7 @@
 """Headless Locust run against specserve, then the PNG report: what `make loadtest` runs.
 
     python -m loadtest.run                                   # local service (started if none answers)
-    python -m loadtest.run --url http://HOST:8000 --metrics-url http://HEAD:8080/metrics --shape step
+    python -m loadtest.run --url http://HOST:8000 --shape step    # metrics from HOST:8000/metrics
     python -m loadtest.run --shape paper --duration 30       # ~30 s smoke run of any shape
 
 Writes into --out (default out/loadtest), all named after the shape: Locust's CSVs
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.run", description=__doc__.split("\n")[0])
     p.add_argument("--url", default=None, help="service base URL (default: the local one, http://127.0.0.1:PORT)")
     p.add_argument("--metrics-url", default=None,
-                   help="comma-separated Prometheus endpoints to poll (default with the local service: its metrics port; "
+                   help="comma-separated Prometheus endpoints to poll (default: the service's own URL/metrics; "
                         "'' disables)")
     p.add_argument("--shape", default="paper", choices=SHAPES)
     g = p.add_mutually_exclusive_group()
@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
 
     local = a.url is None
     a.url = (a.url or f"http://127.0.0.1:{a.port}").rstrip("/")
-    if a.metrics_url is None:
-        a.metrics_url = f"http://127.0.0.1:{a.metrics_port}/metrics" if local else ""
+    if a.metrics_url is None:  # the service's own /metrics on its API port: every replica's series
+        a.metrics_url = f"{a.url}/metrics"
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     prefix = out / a.shape

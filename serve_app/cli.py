@@ -69,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     ba.add_argument("--k", type=int, default=4)
     ba.add_argument("--max-tokens", type=int, default=128)
     ba.add_argument("--batch-size", type=int, default=8)
+    ba.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy; above 0: rejection sampling (unseeded) and the coupled sampler (seeded) side by side")
     ba.add_argument("--out", default=None,
                     help="writes OUT.json and OUT.md (default results/bench-acceptance-<hardware type>)")
     ba.set_defaults(func=_cmd_bench_acceptance)
@@ -133,6 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics export port of the local Ray node")
+    s.add_argument("--access-log", action="store_true", help="log every request and internal call (off: errors and state changes only)")
     s.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on Ctrl-C / SIGTERM: seconds in-flight requests get to finish (new ones get 503)")
     s.set_defaults(func=_cmd_serve)
@@ -351,9 +354,10 @@ def _cmd_bench_engine(args) -> int:
 def _cmd_bench_acceptance(args) -> int:
     from .bench.acceptance import bench_acceptance
 
-    if not 1 <= args.k <= 32 or args.max_tokens < 1 or args.batch_size < 1:
-        raise UsageError("need 1 <= --k <= 32, --max-tokens >= 1 and --batch-size >= 1")
-    _write_bench(args, "acceptance", *bench_acceptance(_bench_model(args), args.k, args.max_tokens, args.batch_size))
+    if not 1 <= args.k <= 32 or args.max_tokens < 1 or args.batch_size < 1 or not 0 <= args.temperature <= 2:
+        raise UsageError("need 1 <= --k <= 32, --max-tokens >= 1, --batch-size >= 1 and 0 <= --temperature <= 2")
+    _write_bench(args, "acceptance", *bench_acceptance(_bench_model(args), args.k, args.max_tokens, args.batch_size,
+                                                        args.temperature))
     return 0
 
 
@@ -372,6 +376,7 @@ def _app_config(args) -> dict:
         "max_queue": args.max_queue,
         "profiles_dir": args.profiles_dir,
         "drain_timeout_s": args.drain_timeout,
+        "access_log": args.access_log,
     }
 
 

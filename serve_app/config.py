@@ -88,14 +88,20 @@ class SamplingParams(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
 
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, le=2**31 - 1)
     """Keep only the top_k most likely tokens; 0 keeps all."""
 
     seed: int | None = None
-    """Makes a sampled request reproducible (for the same policy choices)."""
+    """Makes a sampled request reproducible: its tokens come from a coupled sampler whose randomness
+    depends only on (seed, position), so the text is the same whatever k is chosen, whatever the batch,
+    with or without a draft, and across a crash resume."""
 
     stop: list[str] = Field(default_factory=list)
     """Generation ends before the first occurrence of any of these strings."""
+
+    logprobs: int | None = Field(None, ge=0, le=20)
+    """Return the target's log-probability of each generated token and this many most likely
+    alternatives (0: the token's only); None: no log-probabilities."""
 
     ignore_eos: bool = False
     """Keep generating past the end-of-sequence token (benchmarks use it for fixed-length outputs)."""

@@ -1,8 +1,59 @@
-"""Turn a prompt or a chat into token ids, with clear errors for malformed input."""
+"""Turn a prompt or a chat into token ids, with clear errors for malformed input.
+
+Chat messages come in every shape the OpenAI chat API defines for text: `content` a string, a list
+of text parts, or null (an assistant turn that only called tools); the `developer` role (OpenAI's
+newer name for `system`); extra fields such as `name`. Image, audio and file parts are refused.
+"""
 
 from __future__ import annotations
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+TEMPLATE_ROLES = {"developer": "system"}  # what chat templates know the newer role as
+
+
+def check_text(text: str, where: str) -> str:
+    """Text a tokenizer can take: a lone surrogate (e.g. "\\ud800" in JSON) is not valid Unicode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{where} holds a lone surrogate (invalid Unicode)") from None
+    return text
+
+
+def message_text(content, where: str) -> str:
+    """A message's text: the string itself, or its text (and refusal) parts joined by newlines."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return check_text(content, where)
+    if not isinstance(content, list):
+        raise ValueError(f"{where} must be a string or a list of content parts")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        field = {"text": "text", "refusal": "refusal"}.get(kind)
+        if field and isinstance(part.get(field), str):
+            texts.append(check_text(part[field], f"{where}[{j}]"))
+        elif kind in ("image_url", "input_image", "image", "input_audio", "audio", "file", "video_url"):
+            raise ValueError(f"{where}[{j}]: content parts of type {kind!r} are not supported (this model reads text only)")
+        else:
+            raise ValueError(f"{where}[{j}] must be {{'type': 'text', 'text': string}}")
+    return "\n".join(texts)
+
+
+def normalize_messages(messages) -> list[dict]:
+    """[{role, content: str}] in the roles chat templates know, from any OpenAI text message shape."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("'messages' must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ValueError(f"messages[{i}] must be {{'role': one of {ROLES}, 'content': string or text parts}}")
+        if m.get("content") is None and m["role"] != "assistant":
+            raise ValueError(f"messages[{i}].content is required for role '{m['role']}'")
+        out.append({"role": TEMPLATE_ROLES.get(m["role"], m["role"]),
+                    "content": message_text(m.get("content"), f"messages[{i}].content")})
+    return out
 
 
 def encode_prompt(tokenizer, prompt: str | None = None, messages: list | None = None) -> list[int]:
@@ -13,17 +64,13 @@ def encode_prompt(tokenizer, prompt: str | None = None, messages: list | None = 
         return encode_chat(tokenizer, messages)
     if not isinstance(prompt, str):
         raise ValueError(f"'prompt' must be a string, got {type(prompt).__name__}")
-    if not prompt.strip():
+    if not check_text(prompt, "prompt").strip():
         raise ValueError("prompt is empty")
     return tokenizer.encode(prompt)
 
 
 def encode_chat(tokenizer, messages: list) -> list[int]:
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("'messages' must be a non-empty list")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
-            raise ValueError(f"messages[{i}] must be {{'role': one of {ROLES}, 'content': string}}")
+    messages = normalize_messages(messages)
     if not any(m["content"].strip() for m in messages):
         raise ValueError("messages are all empty")
     if getattr(tokenizer, "chat_template", None) is None:

@@ -48,6 +48,8 @@ class RequestOutput:
     error: str | None = None
     stats: RequestStats | None = None
     """Set on the final output."""
+    logprobs: list | None = None
+    """With `SamplingParams.logprobs`: per token id, (logprob, [(alternative id, logprob), ...])."""
     retry_after_s: int | None = None
     """With an error the client may retry: seconds to wait first (HTTP Retry-After)."""
 
@@ -70,13 +72,6 @@ class Request:
     def context(self) -> list[int]:
         """What the workers hold for it: the prompt, plus what it generated before a resume."""
         return self.prompt_ids + self.output_ids
-
-    def worker_params(self) -> SamplingParams:
-        """Sampling settings for the workers. A resumed seeded request draws from a stream moved on by
-        what it generated, so it does not replay the draws its first tokens already used."""
-        if not self.output_ids or self.params.seed is None:
-            return self.params
-        return self.params.model_copy(update={"seed": (self.params.seed + 7919 * len(self.output_ids)) % 2**63})
 
 
 class Engine:
@@ -218,7 +213,9 @@ class Engine:
             proposal = self.draft.propose(ids, k) if k > 0 else Proposal(torch.zeros((len(ids), 0), dtype=torch.long))
             st.draft_s += time.perf_counter() - t
             t = time.perf_counter()
-            num_accepted, next_tokens, features = self.target.verify(ids, proposal)
+            verdict = self.target.verify(ids, proposal)
+            num_accepted, next_tokens, features = verdict.num_accepted, verdict.next_tokens, verdict.features
+            logprobs = verdict.logprobs or [None] * len(ids)
             st.verify_s += time.perf_counter() - t
             new = [d[:n] + [nt] for d, n, nt in zip(proposal.tokens.tolist(), num_accepted, next_tokens)]
             if self.draft is not None:
@@ -230,9 +227,9 @@ class Engine:
             st.accepted = sum(num_accepted)
             st.accepted_per_position = [sum(n > i for n in num_accepted) for i in range(k)]
             st.generated = sum(len(x) for x in new)
-            for req, n, toks in zip(self.running, num_accepted, new):
+            for req, n, toks, lp in zip(self.running, num_accepted, new, logprobs):
                 req.stats.add_step(k, n)
-                outs.append((req, self._advance(req, toks)))
+                outs.append((req, self._advance(req, toks, lp)))
             self._evict([r for r in self.running if r.finished])
         st.other_s = time.perf_counter() - t0 - st.draft_s - st.verify_s
         if st.batch_size:
@@ -261,9 +258,10 @@ class Engine:
         self.running += new  # before any worker call: a failure below must requeue these too, not strand them
         for w in (self.target, self.draft):
             if w is not None:
-                w.add(ids, [r.context() for r in new], [r.worker_params() for r in new])
+                w.add(ids, [r.context() for r in new], [r.params for r in new])
         t = time.perf_counter()
-        _, first, features = self.target.verify(ids, Proposal(torch.zeros((len(ids), 0), dtype=torch.long)))
+        verdict = self.target.verify(ids, Proposal(torch.zeros((len(ids), 0), dtype=torch.long)))
+        first, features, logprobs = verdict.next_tokens, verdict.features, verdict.logprobs or [None] * len(ids)
         st.verify_s += time.perf_counter() - t
         if self.draft is not None:
             t = time.perf_counter()
@@ -271,10 +269,10 @@ class Engine:
             self.draft.commit(ids, [[f] for f in first])
             st.draft_s += time.perf_counter() - t
         st.prefilled = len(new)
-        self._outs += [(r, self._advance(r, [f])) for r, f in zip(new, first)]
+        self._outs += [(r, self._advance(r, [f], lp)) for r, f, lp in zip(new, first, logprobs)]
         self._evict([r for r in new if r.finished])
 
-    def _advance(self, req: Request, tokens: list[int]) -> RequestOutput:
+    def _advance(self, req: Request, tokens: list[int], logprobs: list | None = None) -> RequestOutput:
         """Append accepted tokens to a request, applying EOS, max_tokens, context and stop strings."""
         p = req.params
         reason = None
@@ -299,7 +297,7 @@ class Engine:
         if not req.stats.generated_tokens:
             req.stats.ttft_s = time.perf_counter() - req.arrival
         req.stats.generated_tokens = len(req.output_ids)
-        out = RequestOutput(req.id, text, taken)
+        out = RequestOutput(req.id, text, taken, logprobs=logprobs[: len(taken)] if logprobs is not None else None)
         if reason:
             out.text += req.stream.flush()
             self._finish(req, out, reason)

@@ -9,7 +9,8 @@ Sampling follows the rejection rule of Leviathan et al. 2023 ("Fast Inference fr
 via Speculative Decoding") and Chen et al. 2023: accept draft token x with probability
 min(1, p(x) / q(x)); on rejection sample from norm(max(0, p - q)). The emitted tokens are then
 distributed exactly as if sampled from the target p alone. Greedy decoding is the special case
-where p and q are one-hot: accept while the draft token equals the target argmax.
+where p and q are one-hot: accept while the draft token equals the target argmax. Seeded requests
+use a coupled sampler instead (`coupled_choice`): their text then does not depend on k.
 
 All randomness comes in as uniforms drawn by the caller, so these functions are deterministic and
 testable with hand-built logits.
@@ -49,6 +50,25 @@ def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     u = u.to(cdf.dtype)[:, None] * cdf[:, -1:]  # scale: rows need not sum to exactly 1
     idx = torch.searchsorted(cdf, u, right=True).squeeze(-1)
     return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+def coupling_noise(seed: int, position: int, vocab: int) -> torch.Tensor:  # [V] Gumbel(0, 1)
+    """Noise for the token at one position of one seeded request, the same on every worker, at every k
+    and in every batch: it depends on nothing but (seed, position)."""
+    g = torch.Generator().manual_seed((seed * 6364136223846793005 + position * 1442695040888963407 + 1) % 2**63)
+    return -(-torch.rand(vocab, generator=g).log()).log()
+
+
+def coupled_choice(
+    probs: torch.Tensor,  # [N, V]: the warped distribution at each position
+    noise: torch.Tensor,  # [N, V]: coupling_noise of each position
+) -> torch.Tensor:  # [N] long
+    """Gumbel-max: argmax(log p + G) is an exact sample from p. Draft and target choosing with the same
+    noise agree as often as a shared-randomness coupling allows, and the target's choice, which is what
+    is emitted, depends only on p and the seed: seeded output is the same whatever k the policy picks
+    (Daliri et al. 2024, "Coupling without Communication and Drafter-Invariant Speculative Decoding").
+    Verification is then `accept_greedy` against these choices instead of the argmax."""
+    return (probs.log() + noise).argmax(dim=-1)
 
 
 def accept_greedy(

@@ -23,7 +23,7 @@ import torch
 from .config import SamplingParams
 from .profiles import detect_gpu_type
 from .kv import SlotKVCache, causal_mask, compact_rows, ragged_inputs
-from .speculative import accept_greedy, accept_sampled, sample, warp_probs
+from .speculative import accept_greedy, accept_sampled, coupled_choice, coupling_noise, sample, warp_probs
 
 
 @dataclass
@@ -69,6 +69,10 @@ class Verdict(NamedTuple):
     hidden states of the n positions this forward made final (the pending tokens and the accepted
     drafts; at prefill the whole prompt), F = hidden size x captured layers. bfloat16: half the bytes
     of float32 across actors, with float32's range (residual streams can exceed float16's)."""
+    logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None] | None = None
+    """Only for sequences that ask (`SamplingParams.logprobs`): per emitted token (accepted drafts, then
+    the next token), the target's log-probability of it and the top alternatives [(id, logprob)],
+    from the raw logits of this verification (before temperature / top-k / top-p)."""
 
 
 @dataclass
@@ -163,7 +167,7 @@ class ModelWorker:
                                    starts=[n + j - len(f) for n, f in zip(lens, fed)])
             if j == 0:
                 backlog = _backlog_agreement(seqs, fed, logits)
-            tok, q = self._draw(seqs, logits[:, -1])
+            tok, q = self._draw(seqs, logits[:, -1], [n + j for n in lens])
             tokens.append(tok)
             probs.append(q)
             fed = [[t] for t in tok.tolist()]
@@ -202,11 +206,21 @@ class ModelWorker:
         num_acc = torch.zeros(len(seqs), dtype=torch.long)
         next_tok = torch.zeros(len(seqs), dtype=torch.long)
         greedy = [b for b, s in enumerate(seqs) if s.params.greedy]
-        sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
+        coupled = [b for b, s in enumerate(seqs) if _coupled(s)]
+        sampled = [b for b, s in enumerate(seqs) if not s.params.greedy and not _coupled(s)]
         if greedy:
             g = torch.tensor(greedy)
             n, t = accept_greedy(proposal.tokens[g], logits[g].argmax(-1).cpu())
             num_acc[g], next_tok[g] = n, t
+        if coupled:  # the target's own coupled choice at every position; drafts accepted while they match
+            cb = torch.tensor(coupled)
+            rows = [seqs[b] for b in coupled]
+            p = self._warp(rows, logits[cb].reshape(len(coupled) * (k + 1), -1), repeat=k + 1).cpu()
+            noise = torch.stack([coupling_noise(s.params.seed, lens[b] + j, p.shape[-1])
+                                 for b, s in zip(coupled, rows) for j in range(k + 1)])
+            choice = coupled_choice(p, noise).reshape(len(coupled), k + 1)
+            n, t = accept_greedy(proposal.tokens[cb], choice)
+            num_acc[cb], next_tok[cb] = n, t
         if sampled:
             sb = torch.tensor(sampled)
             rows = [seqs[b] for b in sampled]
@@ -221,7 +235,8 @@ class ModelWorker:
             s.tokens.extend(d[:n_b] + [t])
             s.kv_len = length + n_b  # KV through the last accepted draft; t is pending
         features = self._features(pending, num_acc.tolist(), k) if self.feature_layers else None
-        return Verdict(num_acc.tolist(), next_tok.tolist(), features)
+        logprobs = _logprobs(seqs, logits, drafts, num_acc.tolist(), next_tok.tolist())
+        return Verdict(num_acc.tolist(), next_tok.tolist(), features, logprobs)
 
     # ---- target features (for drafts that read them, EAGLE-style) -----------------------------
     def capture_features(self, layers: list[int]) -> None:
@@ -307,8 +322,9 @@ class ModelWorker:
             col([p.top_p for p in ps], torch.float32),
         )
 
-    def _draw(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Next draft token per row of logits [B, V]: argmax for greedy rows, a sample from q otherwise."""
+    def _draw(self, seqs: list[Sequence], logits: torch.Tensor, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Next draft token per row of logits [B, V] for the token at positions[b]: argmax for greedy
+        rows, the coupled choice for seeded rows, a sample from q otherwise."""
         tokens = logits.argmax(-1).cpu()
         sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
         if not sampled:
@@ -316,8 +332,12 @@ class ModelWorker:
         sb = torch.tensor(sampled)
         q = torch.zeros(logits.shape, dtype=torch.float32)
         q[sb] = self._warp([seqs[b] for b in sampled], logits[sb]).cpu()
-        u = torch.cat([torch.rand(1, generator=seqs[b].generator) for b in sampled])
-        tokens[sb] = sample(q[sb], u)
+        for b in sampled:
+            s = seqs[b]
+            if _coupled(s):
+                tokens[b] = coupled_choice(q[b : b + 1], coupling_noise(s.params.seed, positions[b], q.shape[-1])[None])[0]
+            else:
+                tokens[b] = sample(q[b : b + 1], torch.rand(1, generator=s.generator))[0]
         return tokens, q
 
 
@@ -337,6 +357,30 @@ def _backlog_agreement(seqs: list[Sequence], fed: list[list[int]], logits: torch
         checked += n - 1
         matched += sum(p == t for p, t in zip(pred[b][w - n :], f[len(f) - n + 1 :]))
     return checked, matched
+
+
+def _logprobs(seqs: list[Sequence], logits: torch.Tensor, drafts: list[list[int]], num_acc: list[int],
+              next_tok: list[int]) -> list | None:
+    """Verdict.logprobs: the target's own log-probabilities of what each asking sequence emits. Position
+    j of this forward scored the j-th emitted token, so they are the same at any k (and without a draft)."""
+    rows = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
+    if not rows:
+        return None
+    out: list = [None] * len(seqs)
+    picked = logits[torch.tensor(rows, device=logits.device)]
+    lsm = torch.log_softmax(picked.double() if picked.dtype == torch.float64 else picked.float(), dim=-1).cpu()  # [R, k+1, V]
+    for i, b in enumerate(rows):
+        top = seqs[b].params.logprobs
+        emitted = drafts[b][: num_acc[b]] + [next_tok[b]]
+        vals, ids = lsm[i, : len(emitted)].topk(top, dim=-1) if top else (None, None)
+        out[b] = [(lsm[i, j, t].item(), list(zip(ids[j].tolist(), vals[j].tolist())) if top else [])
+                  for j, t in enumerate(emitted)]
+    return out
+
+
+def _coupled(s: Sequence) -> bool:
+    """Seeded sampled requests use the coupled sampler: the same text whatever k is chosen."""
+    return not s.params.greedy and s.params.seed is not None
 
 
 def _role_seed(seed: int | None, role: str) -> int:

@@ -156,7 +156,7 @@ def make_router(engine, max_queue):
     from deployments.router import Router
 
     r = object.__new__(Router.func_or_class)
-    r.engine, r.max_queue, r.store = engine, max_queue, None
+    r.engine, r.max_queue, r.store, r.totals = engine, max_queue, None, Router.func_or_class.new_totals()
     for name in ("m_requests", "m_prompt", "m_generated", "m_ttft", "m_tpot", "m_queue"):
         setattr(r, name, FakeMetric())
     return r
@@ -244,7 +244,7 @@ def respond(ing, stream=True):
     from deployments.ingress import CompletionRequest
 
     body = CompletionRequest(model="m", prompt="the cat", stream=stream)
-    return ing._respond(SimpleNamespace(headers={}), body, [4, 5], 5, chat=False)
+    return ing._respond(SimpleNamespace(headers={}), body, [[4, 5]], 5, chat=False)
 
 
 async def collected():

@@ -77,7 +77,7 @@ def test_proposals_equal_a_recompute_from_scratch(target, draft):
     params = [SamplingParams()] * 3
     for w in (tw, dw):
         w.add(ids, [PROMPTS[0], PROMPTS[2], PROMPTS[3]], params)
-    _, first, feats = tw.verify(ids, Proposal(torch.zeros((3, 0), dtype=torch.long)))
+    _, first, feats = tw.verify(ids, Proposal(torch.zeros((3, 0), dtype=torch.long)))[:3]
     dw.prefill(ids, feats)
     dw.commit(ids, [[f] for f in first])
     checked = 0
@@ -91,7 +91,7 @@ def test_proposals_equal_a_recompute_from_scratch(target, draft):
             if k:
                 assert prop.tokens[b].tolist() == recompute(draft, target, dw.seqs[sid].tokens, k), (step, sid)
                 checked += 1
-        n, nxt, feats = tw.verify(ids, prop)
+        n, nxt, feats = tw.verify(ids, prop)[:3]
         dw.commit(ids, [d[:m] + [t] for d, m, t in zip(prop.tokens.tolist(), n, nxt)], feats)
     assert checked > 10 and dw.seqs["a"].tokens == tw.seqs["a"].tokens
 

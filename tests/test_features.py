@@ -31,7 +31,7 @@ def test_verify_returns_features_of_exactly_the_positions_it_made_final(tiny_tar
     w.capture_features(layers)
     prompts = {"a": [5, 6, 7, 8, 9], "b": [11, 12]}
     w.add(list(prompts), list(prompts.values()), [SamplingParams(), SamplingParams()])
-    n, first, feats = w.verify(list(prompts), Proposal(torch.zeros((2, 0), dtype=torch.long)))
+    n, first, feats = w.verify(list(prompts), Proposal(torch.zeros((2, 0), dtype=torch.long)))[:3]
     assert n == [0, 0] and [f.shape for f in feats] == [(5, 3 * 32), (2, 3 * 32)]  # prefill: every prompt position
     for f, p in zip(feats, prompts.values()):
         assert f.dtype == torch.bfloat16
@@ -41,7 +41,7 @@ def test_verify_returns_features_of_exactly_the_positions_it_made_final(tiny_tar
     with torch.no_grad():
         nxt = tiny_target(torch.tensor([greedy_a])).logits[0, -1].argmax().item()
     drafts = torch.tensor([[nxt, (nxt + 1) % 97, 3], [(first[1] + 1) % 97, 4, 4]])
-    n, _, feats = w.verify(list(prompts), Proposal(drafts))
+    n, _, feats = w.verify(list(prompts), Proposal(drafts))[:3]
     assert n[1] == 0 and n[0] >= 1
     assert [f.shape[0] for f in feats] == [1 + n[0], 1]  # the pending token, then the accepted drafts
     for sid, f in zip(prompts, feats):

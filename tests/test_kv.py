@@ -57,7 +57,7 @@ def test_rollback_is_only_a_length(tiny_target):
     with torch.no_grad():  # the target's greedy token after `first`: a draft token other than it is surely rejected
         right = int(tiny_target(torch.tensor([[1, 2, 3, first]])).logits[0, -1].argmax())
     wrong = (right + 1) % 97
-    n, _, _ = w.verify(["s"], Proposal(torch.tensor([[wrong, wrong, wrong]])))
+    n, _, _ = w.verify(["s"], Proposal(torch.tensor([[wrong, wrong, wrong]])))[:3]
     assert n == [0] and seq.tokens == [1, 2, 3, first, right]  # nothing accepted; the target's token recovered
     assert seq.kv_len == 4 and w.cache.keys[0].data_ptr() == storage  # KV holds [1, 2, 3, first] and no more
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import urllib.parse
 import os
 import socket
 import subprocess
@@ -141,7 +142,8 @@ class FakeOpenAI(BaseHTTPRequestHandler):
         elif self.path == "/healthz":
             self._send(200, b'{"status": "ok"}')
         elif self.path.startswith("/api/v1/query?"):  # a Prometheus server's instant query
-            assert "ray_specserve_batch_size" in self.path and "ray_specserve_requests_total" in self.path
+            query = urllib.parse.unquote(self.path)  # asks for both names: the API port's and Ray's (ray_ prefix)
+            assert "(ray_)?specserve_batch_size" in query and "(ray_)?specserve_requests_total" in query
             result = [{"metric": {"__name__": "ray_specserve_batch_size", "gpu_type": "fake", "group": "g1", "pod": p},
                        "value": [time.time(), v]} for p, v in (("a", "3"), ("b", "5"))]
             self._send(200, json.dumps({"status": "success", "data": {"resultType": "vector", "result": result}}).encode())
@@ -325,7 +327,8 @@ def live(tmp_path_factory):
 def test_locust_smoke_run_against_the_local_service(live):
     out = live["root"] / "loadtest"
     started = time.time()
-    r = run_loadtest(["--url", live["url"], "--metrics-url", live["metrics"], "--shape", "paper", "--duration", "30",
+    # no --metrics-url: the poller reads the service's own /metrics on the API port
+    r = run_loadtest(["--url", live["url"], "--shape", "paper", "--duration", "30",
                       "--max-tokens", "32", "--out", str(out)], timeout=300)
     took = time.time() - started
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -355,14 +358,17 @@ def test_dashboard_promql_names_only_metrics_the_service_exports(live):
     dashboards = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(dashboards)
     wanted = set().union(*(dashboards.promql_metric_names(e) for e in dashboards.dashboard_exprs(json.loads(DASHBOARD.read_text()))))
-    wanted |= set(report.GAUGES.values()) | set(report.COUNTERS.values())  # what the poller reads
-    deadline, exported = time.time() + 60, set()
+    polled = set(report.GAUGES.values()) | set(report.COUNTERS.values())  # what the poller reads on the API port
+    deadline, exported, api = time.time() + 60, set(), set()
     while time.time() < deadline:
         exported = report.metric_names(httpx.get(live["metrics"], timeout=10).text)
-        if wanted <= exported:
+        api = report.metric_names(httpx.get(f"{live['url']}/metrics", timeout=10).text)
+        if wanted <= exported and polled <= api:
             break
         httpx.post(f"{live['url']}/v1/chat/completions", timeout=60,  # this test may run alone: make traffic
                    json={"model": "tiny", "messages": [{"role": "user", "content": "the cat"}], "max_tokens": 8})
         time.sleep(2)
     assert wanted <= exported, sorted(wanted - exported)
+    assert polled <= api, sorted(polled - api)
+    assert {f"ray_{n}" for n in polled} <= exported  # the same series on Ray's export port
     assert len(wanted) >= 11

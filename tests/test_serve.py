@@ -174,7 +174,8 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "ten"}, "max_tokens", "max_tokens"),
     ("/v1/completions", {"model": "gpt-9", "prompt": "the cat"}, "not served here", "model"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt is empty", "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, "one prompt per request", "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": []}, "an empty list", "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [5, 10**9]}, "outside the vocabulary", None),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, "non-empty list", "messages"),
     ("/v1/completions", {"model": MODEL, "prompt": "the cat", "max_tokens": 0}, "max_tokens", "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "the cat", "max_tokens": 500}, "over this server's limit", "max_tokens"),
@@ -182,7 +183,9 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "the cat", "temperature": 3}, "temperature", "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "the cat", "top_p": 0}, "top_p", "top_p"),
     ("/v1/completions", {"model": MODEL, "prompt": "the cat", "top_k": -5}, "top_k", "top_k"),
-    ("/v1/completions", {"model": MODEL, "prompt": "the cat", "n": 2}, "only n=1", "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"], "n": 9}, "at most 16 choices", "n"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
+     "needs logprobs: true", "top_logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "the cat", "stop": ["a", "b", "c", "d", "e"]}, "stop strings", "stop"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, "messages", "messages.0.role"),
 ]
@@ -517,3 +520,151 @@ def test_drain_finishes_in_flight_requests_and_refuses_new_ones(crash):
         text = head + "".join(ch.choices[0].text for ch in stream)
         assert left.result(timeout=60) == 0
     assert text == crash["expected"][2]
+
+
+# ---- the OpenAI API as clients send it ----------------------------------------------------------------
+
+def offline_chat(service, messages, max_tokens=12):
+    from serve_app.config import EngineConfig, ModelConfig, SamplingParams
+    from serve_app.models import load_models
+    from serve_app.prompts import encode_chat
+    from serve_app.scheduler import Engine
+
+    models = load_models(ModelConfig(**{**service["model"], "draft": "none"}))
+    engine = Engine.from_models(models, EngineConfig())
+    req = engine.submit(encode_chat(models.tokenizer, messages), SamplingParams(max_tokens=max_tokens))
+    engine.run([req])
+    return models.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+
+
+def test_chat_message_shapes_clients_send(service):
+    c = service["client"]
+    plain = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat sat"}]
+    expected = offline_chat(service, plain)
+    shapes = [
+        [{"role": "developer", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "the cat sat"}]}],
+        [{"role": "system", "content": [{"type": "text", "text": "be brief"}]},
+         {"role": "user", "name": "ann", "content": [{"type": "text", "text": "the cat sat"}]}],
+    ]
+    for msgs in shapes:
+        r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0)
+        assert r.choices[0].message.content == expected
+    # an assistant turn with content null (it called a tool) is accepted
+    r = c.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, messages=[
+        {"role": "user", "content": "the cat"}, {"role": "assistant", "content": None},
+        {"role": "user", "content": "sat on the"}])
+    assert r.usage.completion_tokens == 4
+    bad = httpx.post(f"{service['url']}/v1/chat/completions", json={"model": MODEL, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]})
+    assert bad.status_code == 400 and "image_url" in bad.json()["error"]["message"]
+
+
+def test_completion_prompt_shapes_and_n_choices(service):
+    c = service["client"]
+    ids = httpx.post(f"{service['url']}/tokenize", json={"model": MODEL, "prompt": PROMPTS[0]}).json()
+    assert ids["count"] == len(ids["tokens"]) and ids["max_model_len"] == 96
+    assert httpx.post(f"{service['url']}/detokenize", json={"model": MODEL, "tokens": ids["tokens"]}).json()["prompt"].strip() == PROMPTS[0]
+    one = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0).choices[0].text
+    two = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0).choices[0].text
+    assert c.completions.create(model=MODEL, prompt=ids["tokens"], max_tokens=8, temperature=0).choices[0].text == one
+    r = c.completions.create(model=MODEL, prompt=[PROMPTS[0], PROMPTS[1]], max_tokens=8, temperature=0)
+    assert [ch.text for ch in sorted(r.choices, key=lambda ch: ch.index)] == [one, two] and r.usage.completion_tokens == 16
+    tokens2 = httpx.post(f"{service['url']}/tokenize", json={"model": MODEL, "prompt": PROMPTS[1]}).json()["tokens"]
+    r = c.completions.create(model=MODEL, prompt=[ids["tokens"], tokens2], max_tokens=8, temperature=0)
+    assert [ch.text for ch in sorted(r.choices, key=lambda ch: ch.index)] == [one, two]
+    # n choices: seeded, each its own sequence (seed + i), usage summed; streamed choices carry their index
+    r = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, seed=3, n=3)
+    texts = [ch.text for ch in sorted(r.choices, key=lambda ch: ch.index)]
+    assert len(set(texts)) > 1 and r.usage.completion_tokens == 24
+    again = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, seed=4)
+    assert again.choices[0].text == texts[1]  # choice 1 is the seed + 1 request
+    streamed = {}
+    for ch in c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, seed=3, n=3, stream=True):
+        for choice in ch.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[i] for i in range(3)] == texts
+
+
+def test_seeded_sampling_holds_under_any_policy_and_load(service):
+    """The same seeded request gives the same text alone, under load, and whatever k the group's
+    policy picks (groups A and B run k = 1 and 3)."""
+    c = service["client"]
+
+    def ask():
+        return c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "the cat"}], max_tokens=16,
+                                         temperature=0.8, seed=7).choices[0].message.content
+
+    alone = {ask() for _ in range(4)}  # least-loaded routing spreads these over both groups
+    with ThreadPoolExecutor(6) as pool:
+        busy = [pool.submit(c.completions.create, model=MODEL, prompt=p, max_tokens=40, temperature=1.0) for p in PROMPTS * 2]
+        loaded = {ask() for _ in range(3)}
+        for f in busy:
+            f.result()
+    assert len(alone) == 1 and loaded == alone
+
+
+def test_lone_surrogates_and_bad_unicode_get_400(service):
+    url = service["url"]
+    for path, body in [("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}'),
+                       ("/v1/completions", '{"model": "tiny", "prompt": "a\\udfff b"}'),
+                       ("/v1/completions", '{"model": "tiny", "prompt": "a", "stop": ["\\ud800"]}'),
+                       ("/tokenize", '{"prompt": "\\ud800"}')]:
+        r = httpx.post(url + path, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], (path, r.text)
+
+
+def test_metrics_on_the_api_port_with_vllm_names(service):
+    c = service["client"]
+    c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0)
+    deadline, text = time.time() + 30, ""
+    while time.time() < deadline:
+        text = httpx.get(f"{service['url']}/metrics").text
+        if 'vllm:spec_decode_num_accepted_tokens_per_pos_total{' in text and 'gpu_type="A"' in text and 'gpu_type="B"' in text:
+            break
+        time.sleep(0.5)
+    from loadtest.report import parse_metrics
+
+    samples = parse_metrics(text)
+    by = lambda name: [v for n, _, v in samples if n == name]  # noqa: E731
+    assert sum(by("vllm:spec_decode_num_draft_tokens_total")) >= sum(by("vllm:spec_decode_num_accepted_tokens_total")) > 0
+    assert sum(by("vllm:spec_decode_num_drafts_total")) > 0 and sum(by("specserve_requests_total")) > 0
+    per_pos = sum(by("vllm:spec_decode_num_accepted_tokens_per_pos_total"))
+    assert per_pos == sum(by("vllm:spec_decode_num_accepted_tokens_total"))
+    assert {lab["gpu_type"] for n, lab, _ in samples if n == "specserve_batch_size"} == {"A", "B"}
+
+
+def test_fuzzed_bodies_never_get_a_5xx(service):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    weird = st.sampled_from(["\ud800", "\udfff", "a\ud83d", "\x00", "😀", "e\u0301", "\u202e", "", " ", "tiny"])
+    text = st.one_of(st.text(max_size=20), weird)
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False), text)
+    json_values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                                st.dictionaries(text, inner, max_size=4)), max_leaves=12)
+    part = st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "x"]), "text": text}), json_values)
+    message = st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "system", "developer", "assistant", "tool", "x"]), json_values),
+                                     "content": st.one_of(text, st.none(), st.lists(part, max_size=3), json_values)})
+    fields = {"model": st.one_of(st.just(MODEL), json_values), "max_tokens": st.one_of(st.integers(-3, 3), json_values),
+              "temperature": st.one_of(st.floats(-1, 3, allow_nan=False), json_values), "n": st.one_of(st.integers(-1, 3), json_values),
+              "stop": st.one_of(text, st.lists(text, max_size=5), json_values), "seed": st.one_of(st.integers(-2**70, 2**70), json_values),
+              "stream": st.booleans(), "top_p": json_values, "logprobs": json_values}
+    chat = st.fixed_dictionaries({"messages": st.one_of(st.lists(message, max_size=3), json_values)},
+                                 optional={k: v for k, v in fields.items()})
+    completion = st.fixed_dictionaries({"prompt": st.one_of(text, st.lists(text, max_size=3), st.lists(st.integers(-5, 200), max_size=5),
+                                                            st.lists(st.lists(st.integers(-5, 200), max_size=3), max_size=3), json_values)},
+                                       optional={k: v for k, v in fields.items()})
+    raw = st.one_of(st.binary(max_size=40), st.text(max_size=40).map(str.encode))
+    paths = ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"]
+
+    @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(path=st.sampled_from(paths), body=st.one_of(chat, completion, json_values, raw))
+    def check(path, body):
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = httpx.post(service["url"] + path, content=content, headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code < 500, (path, body, r.status_code, r.text[:300])
+        if r.status_code >= 400:
+            assert set(r.json()["error"]) >= {"message", "type", "code"}
+
+    check()
+    assert httpx.get(f"{service['url']}/readyz", timeout=30).status_code == 200  # and it still serves

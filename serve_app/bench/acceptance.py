@@ -15,18 +15,29 @@ from .prompt_sets import EVAL_SETS, chat_prompts
 from .engine import engine_run
 
 
-def bench_acceptance(mc: ModelConfig, k: int, max_tokens: int, batch: int) -> tuple[dict, str]:
-    """Returns (results, markdown report); results["sets"][name] = {acceptance, tokens_per_step, ...}."""
+def bench_acceptance(mc: ModelConfig, k: int, max_tokens: int, batch: int, temperature: float = 0.0) -> tuple[dict, str]:
+    """Returns (results, markdown report); results["sets"][name] = {acceptance, tokens_per_step, ...}.
+
+    temperature > 0: each set runs twice, unseeded (rejection sampling) and seeded (the coupled
+    sampler seeded requests use), so the two acceptance rates compare on the same prompts and k.
+    """
     models = load_models(mc)
+    samplers = ["greedy"] if temperature == 0 else ["rejection", "coupled"]
     res = {"target": models.target_name, "draft": models.draft_name, "k": k, "max_tokens": max_tokens,
-           "batch": batch, "sets": {}}
-    with tqdm(total=sum(len(v) for v in EVAL_SETS.values()), desc="bench acceptance", unit="req") as bar:
+           "batch": batch, "temperature": temperature, "sets": {}}
+    total = sum(len(v) for v in EVAL_SETS.values()) * len(samplers)
+    with tqdm(total=total, desc="bench acceptance", unit="req") as bar:
         for name, texts in EVAL_SETS.items():
-            run = engine_run(models, f"fixed:{k}", chat_prompts(models.tokenizer, texts), max_tokens, batch, bar)
-            res["sets"][name] = {"prompts": len(texts), "proposed": run.proposed, "accepted": run.accepted,
-                                 "acceptance": run.acceptance, "tokens_per_step": run.tokens_per_step}
+            for sampler in samplers:
+                run = engine_run(models, f"fixed:{k}", chat_prompts(models.tokenizer, texts), max_tokens, batch, bar,
+                                 temperature, seeded=sampler == "coupled")
+                key = name if sampler == "greedy" else f"{name} ({sampler})"
+                res["sets"][key] = {"prompts": len(texts), "proposed": run.proposed, "accepted": run.accepted,
+                                    "acceptance": run.acceptance, "tokens_per_step": run.tokens_per_step}
+    how = "greedy" if temperature == 0 else (f"temperature {temperature:g}: unseeded requests (rejection sampling) "
+                                            "and seeded ones (coupled sampler)")
     lines = [f"# bench acceptance: target {res['target']}, draft {res['draft']}", "",
-             f"fixed:{k}, greedy, up to {max_tokens} tokens per prompt, batch {batch}; counts, not timings.", "",
+             f"fixed:{k}, {how}, up to {max_tokens} tokens per prompt, batch {batch}; counts, not timings.", "",
              "| prompt set | prompts | proposed | accepted | acceptance | tokens/step |", "|---|---|---|---|---|---|"]
     for name, s in res["sets"].items():
         lines.append(f"| {name} | {s['prompts']} | {s['proposed']} | {s['accepted']} | {s['acceptance']:.3f} | "

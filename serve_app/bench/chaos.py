@@ -101,7 +101,7 @@ def open_loop(svc: Service, rate: float, seconds: float, out: list[Outcome], bar
     with ThreadPoolExecutor(256) as pool:
         i = 0
         while time.monotonic() < end:
-            pool.submit(lambda p: out.append(svc.run(p)) or (bar.update(1) if bar else None), i % len(BENCH_PROMPTS))
+            pool.submit(lambda p: out.append(svc.run(p)) or (bar.update(1) if bar is not None else None), i % len(BENCH_PROMPTS))
             i += 1
             time.sleep(rng.expovariate(rate))
 
@@ -243,18 +243,21 @@ def _soak(svc: Service, rate: float, minutes: float, load: float, out_stem) -> d
         open_loop(svc, rate, minutes * 60, outs, bar)
     done.set()
     sampler.join()
-    slopes = _memory_slopes(samples)
     png = f"{out_stem}-soak-memory.png"
-    _plot_memory(samples, png, f"soak: {minutes:g} min at {load:.0%} of capacity ({rate:.2f} req/s)")
+    _plot_memory(samples, png, f"soak: {minutes:g} min at {load:.0%} of capacity ({rate:.2f} req/s arriving)")
     return {"minutes": minutes, "load": load, "rate_req_s": round(rate, 3), **tally(outs),
-            "rss_mb_start": samples[0][1], "rss_mb_end": samples[-1][1], "rss_slope_mb_per_min": slopes, "plot": png}
+            "rss_mb_start": samples[0][1], "rss_mb_end": samples[-1][1],
+            "rss_slope_mb_per_min": _memory_slopes(samples, 60),
+            "rss_slope_last_half_mb_per_min": _memory_slopes(samples, samples[-1][0] / 2), "plot": png,
+            "rss_samples": [{"t_s": round(t, 1), **{k: round(v, 1) for k, v in rss.items()}} for t, rss in samples]}
 
 
-def _memory_slopes(samples) -> dict[str, float]:
-    """Least-squares slope of each process's resident memory, MB per minute, after the first minute."""
+def _memory_slopes(samples, after_s: float) -> dict[str, float]:
+    """Least-squares slope of each process's resident memory, MB per minute, over samples after `after_s`
+    (caches grow to the largest batch and context seen at first; a leak keeps growing)."""
     import numpy as np
 
-    late = [s for s in samples if s[0] >= 60] or samples
+    late = [s for s in samples if s[0] >= after_s] or samples
     t = np.array([s[0] / 60 for s in late])
     return {name: round(float(np.polyfit(t, [s[1][name] for s in late], 1)[0]), 3) if len(late) > 1 else 0.0
             for name in late[0][1]}
@@ -301,12 +304,13 @@ def report(res: dict) -> str:
               for e in k["events"]]
     if "soak" in res:
         so = res["soak"]
-        lines += ["", f"Soak: {so['minutes']:g} min at {so['load']:.0%} of the measured capacity "
-                      f"({res['capacity_req_s']:.2f} req/s): {so['sent']} sent, {so['succeeded']} succeeded, "
-                      f"{so['failed']} failed, {so['429']} refused.", "",
-                  "| process | RSS start (MB) | RSS end (MB) | slope after 1 min (MB/min) |", "|---|---|---|---|"]
-        lines += [f"| {n} | {so['rss_mb_start'][n]:.0f} | {so['rss_mb_end'][n]:.0f} | {so['rss_slope_mb_per_min'][n]:+.2f} |"
-                  for n in so["rss_slope_mb_per_min"]]
+        lines += ["", f"Soak: {so['minutes']:g} min, Poisson arrivals at {so['load']:.0%} of the measured capacity "
+                      f"({so['rate_req_s']:.2f} of {res['capacity_req_s']:.2f} req/s): {so['sent']} sent, "
+                      f"{so['succeeded']} succeeded, {so['failed']} failed, {so['429']} refused.", "",
+                  "| process | RSS start (MB) | RSS end (MB) | slope after 1 min (MB/min) | slope, last half (MB/min) |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {n} | {so['rss_mb_start'][n]:.0f} | {so['rss_mb_end'][n]:.0f} | {so['rss_slope_mb_per_min'][n]:+.2f} | "
+                  f"{so['rss_slope_last_half_mb_per_min'][n]:+.2f} |" for n in so["rss_slope_mb_per_min"]]
         lines += ["", f"![memory]({os.path.basename(so['plot'])})"]
     if "burst" in res:
         b = res["burst"]

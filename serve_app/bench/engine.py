@@ -66,17 +66,20 @@ class EngineRun:
         return 1 + self.accepted / self.steps if self.steps else 1.0
 
 
-def engine_run(models, policy: str, prompts: list[list[int]], max_tokens: int, batch: int, bar: tqdm) -> EngineRun:
-    """Greedy engine run: `batch` 1 feeds requests one at a time, otherwise all at once. Fresh workers."""
+def engine_run(models, policy: str, prompts: list[list[int]], max_tokens: int, batch: int, bar: tqdm,
+               temperature: float = 0.0, seeded: bool = False) -> EngineRun:
+    """Engine run (greedy by default; seeded: request i has seed i, the coupled sampler): `batch` 1
+    feeds requests one at a time, otherwise all at once. Fresh workers."""
     if policy == "none":
         models = dataclasses.replace(models, draft=None)
     engine = Engine.from_models(models, EngineConfig(policy=policy, max_batch_size=max(batch, 1), max_k=8))
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature)
     groups = [[p] for p in prompts] if batch == 1 else [prompts]
     run = EngineRun(0.0, [], 0, 0, 0)
     for group in groups:
         t = time.perf_counter()
-        reqs = [engine.submit(p, params) for p in group]
+        reqs = [engine.submit(p, params.model_copy(update={"seed": len(run.outputs) + i}) if seeded else params)
+                for i, p in enumerate(group)]
         engine.run(reqs)
         run.seconds += time.perf_counter() - t
         run.outputs += [r.output_ids for r in reqs]

@@ -77,7 +77,7 @@ class EagleWorker(ModelWorker):
             s.kv_len, s.extra["features"] = n - 1, []
         tokens, probs = [], []
         for j in range(k):
-            tok, q = self._draw(seqs, logits[:, -1])
+            tok, q = self._draw(seqs, logits[:, -1], [n + j for n in lens])
             tokens.append(tok)
             probs.append(q)
             if j + 1 < k:  # the next step feeds this token with the draft's own state
