@@ -1,4 +1,4 @@
-"""`specserve` command line: generate, serve, drain, profile, profiles push, distill, bench (engine, acceptance, http, policies), chaos.
+"""`specserve` command line: generate, serve, drain, profile, profiles push, distill, bench (engine, acceptance, http, policies), chaos, simulate.
 
 Exit codes: 0 all requests succeeded; 1 some requests failed (each reported with its line number,
 the others finished); 2 bad arguments or an unusable file/model (nothing was generated).
@@ -155,6 +155,21 @@ def _parser() -> argparse.ArgumentParser:
     ch.add_argument("--port", type=int, default=8000)
     ch.add_argument("--out", default=None, help="results stem (default results/chaos-<hardware>)")
     ch.set_defaults(func=_cmd_chaos)
+
+    sm = sub.add_parser("simulate", help="discrete-event simulation of the service on a fleet of hardware types, from profiles")
+    sm.add_argument("--fleet", required=True, help="TYPE:N[,TYPE:N...]: replicas per hardware type (profile name)")
+    sm.add_argument("--profiles", default="profiles", help="directory of profile JSON files")
+    sm.add_argument("--shape", default=None, help="closed-loop users following a load shape (step, sine, spike, paper)")
+    sm.add_argument("--trace", default=None, help="CSV of arrival_s,prompt_tokens,output_tokens (open loop)")
+    sm.add_argument("--policy", default="none,fixed:1,fixed:2,lut,adaptive", help="comma-separated policies to compare")
+    sm.add_argument("--duration", type=float, default=None, help="simulated seconds of a shape (default its nominal length)")
+    sm.add_argument("--users-scale", type=float, default=1.0, help="multiplies the shape's user counts")
+    sm.add_argument("--prompt-tokens", type=int, default=64)
+    sm.add_argument("--output-tokens", type=int, default=64)
+    sm.add_argument("--max-batch", type=int, default=8)
+    sm.add_argument("--seed", type=int, default=0)
+    sm.add_argument("--out", default="out/simulate", help="writes results.json, summary.md, k_batch.png here")
+    sm.set_defaults(func=_cmd_simulate)
 
     dr = sub.add_parser("drain", help="stop a running service admitting requests and wait for in-flight ones "
                                       "(the Kubernetes preStop hook)")
@@ -474,6 +489,50 @@ def _cmd_chaos(args) -> int:
     json_path, md_path = write_results(stem, results, markdown)
     print(f"results: {json_path}, {md_path}")
     return 0
+
+
+def _cmd_simulate(args) -> int:
+    from .profiles import load_profiles
+    from .simulate import read_trace, run_simulations
+
+    try:
+        fleet = {t: int(n) for t, _, n in (part.rpartition(":") for part in args.fleet.split(","))}
+    except ValueError:
+        raise UsageError("--fleet: TYPE:N[,TYPE:N...], e.g. cpu-2core:4,NVIDIA_A100:2") from None
+    if not fleet or any(not t or n < 1 for t, n in fleet.items()) or (args.shape is None) == (args.trace is None):
+        raise UsageError("need --fleet TYPE:N[,...] with N >= 1, and exactly one of --shape or --trace")
+    profiles = load_profiles(args.profiles)
+    kwargs = {"prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "max_batch": args.max_batch,
+              "seed": args.seed}
+    if args.trace:
+        kwargs["trace"] = read_trace(args.trace)
+    else:
+        shape = _load_shape(args.shape)
+        nominal = shape.nominal_s()
+        duration = args.duration or nominal
+        kwargs.update(users_at=lambda t: shape.users_at(t * nominal / duration) * args.users_scale, duration_s=duration)
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    try:
+        _, markdown = run_simulations(fleet, profiles, policies, args.out, **kwargs)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    print("\n" + markdown + f"\nwritten to {args.out}/")
+    return 0
+
+
+def _load_shape(name: str):
+    """A Locust load shape from the repository's loadtest/ (beside serve_app/; needs locust)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if repo not in sys.path and os.path.isdir(os.path.join(repo, "loadtest")):
+        sys.path.append(repo)
+    try:
+        from loadtest.shapes import load_shape
+    except ImportError as e:
+        raise UsageError(f"--shape needs the repository's loadtest/ and locust (make install): {e}") from None
+    try:
+        return load_shape(name)()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _cmd_drain(args) -> int:

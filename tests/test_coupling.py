@@ -68,3 +68,22 @@ def test_coupled_drafts_are_accepted_when_the_draft_is_the_target(tiny_target, t
     req = engine.submit(PROMPTS[0], SamplingParams(max_tokens=20, temperature=1.0, seed=5))
     engine.run([req])
     assert req.stats.proposed > 0 and req.stats.accepted == req.stats.proposed
+
+
+def test_seeded_text_holds_when_k_changes_every_step(tiny_target, tiny_drafts):
+    """What lut / adaptive do under varying load, at its most extreme: a new k at every step."""
+    class Cycle:
+        name = "cycle"
+        ks, i = [3, 0, 1, 7, 2, 0, 5], 0
+
+        def choose(self, state):
+            self.i += 1
+            return self.ks[self.i % len(self.ks)]
+
+        def observe(self, stats):
+            pass
+
+    alone = run(make_engine(tiny_target, None, "none"), PROMPTS[:2], [21, 22])
+    engine = make_engine(tiny_target, tiny_drafts["near"], "none", max_batch_size=4)
+    engine.policy = Cycle()
+    assert run(engine, PROMPTS[:2], [21, 22]) == alone

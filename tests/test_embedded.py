@@ -96,3 +96,19 @@ def test_embedded_loads_from_a_converted_copy_identical_to_the_gguf(tmp_path, mo
     assert tok_copy.eos_token_id == tok_direct.eos_token_id
     with torch.inference_mode():
         assert torch.equal(copy(torch.tensor([ids])).logits, direct(torch.tensor([ids])).logits)
+
+
+def test_seeded_sampling_gives_the_same_text_at_any_k_on_the_embedded_pair(models, prompts):
+    """The coupled sampler on the real pair: same seeded text with the EAGLE-3 draft at k = 1 and 4
+    (some drafts accepted) as without speculation, alone or in a batch."""
+    def run(draft, policy, batch):
+        engine = Engine(ModelWorker(models.target, "target"), draft_worker(draft) if draft is not None else None,
+                        models.tokenizer, EngineConfig(policy=policy, max_batch_size=batch))
+        reqs = [engine.submit(p, SamplingParams(max_tokens=N, temperature=0.8, seed=40 + i)) for i, p in enumerate(prompts)]
+        engine.run(reqs)
+        return [r.output_ids for r in reqs], sum(r.stats.accepted for r in reqs)
+
+    plain, _ = run(None, "none", 1)
+    for policy, batch in [("fixed:1", 3), ("fixed:4", 2)]:
+        outs, accepted = run(models.draft, policy, batch)
+        assert outs == plain and accepted > 0, policy
