@@ -332,15 +332,15 @@ class OpenAIIngress:
         body = {"status": "ready" if ready else ("draining" if self.draining else "not ready"), "groups": groups}
         return JSONResponse(body, status_code=200 if ready else 503)
 
-    def drain(self) -> int:
+    async def drain(self) -> int:
         """Stop admitting new requests (503 + Retry-After, readiness false); returns requests in flight."""
-        self.draining = True
-        return self.in_flight_total()
-
-    def in_flight_total(self) -> int:
+        self.draining = True  # async: runs on the loop that owns the counts, like the handlers
         return sum(self.in_flight.values())
 
-    def pid(self) -> int:
+    async def in_flight_total(self) -> int:
+        return sum(self.in_flight.values())
+
+    async def pid(self) -> int:
         return os.getpid()
 
     @app.get("/metrics")

@@ -397,7 +397,7 @@ class Router:
                 "gauges": {**self.last_step, "running": len(self.engine.running), "waiting": len(self.engine.waiting),
                            "acceptance_estimate": self.acceptance_estimate()}}
 
-    def max_model_len(self) -> int:
+    async def max_model_len(self) -> int:
         return self.engine.max_model_len
 
     async def pids(self) -> dict[str, int]:
