@@ -116,6 +116,11 @@ class RouterStream:
         if self.events is not None:
             self.events.cancel()  # the router aborts the request: frees its queue place or batch slot and KV
 
+    def _end(self, message: str) -> dict:
+        """The request is over without an answer: an error event, and nothing left to cancel."""
+        self.finished = True
+        return _error_event(message)
+
     async def next(self) -> dict:
         """The next event; a router that is gone for good becomes an error event, not a hang."""
         deadline = None
@@ -123,20 +128,17 @@ class RouterStream:
             try:
                 ev = await self.events.__anext__()
             except StopAsyncIteration:
-                self.finished = True
-                return _error_event("engine stream ended early")
+                return self._end("engine stream ended early")
             except Exception as e:  # the Router replica died (or is unreachable)
                 if self._got_event:
                     self.resubmits += 1
                     if self.resubmits > self.max_resubmits:
-                        self.finished = True
-                        return _error_event(f"the request failed {self.resubmits} times because an engine "
+                        return self._end(f"the request failed {self.resubmits} times because an engine "
                                             "replica crashed; giving up (retry later)")
                     deadline = None
                 deadline = deadline or time.monotonic() + self.wait_s
                 if time.monotonic() > deadline:
-                    self.finished = True
-                    return _error_event("no engine replica of this group is available; retry later")
+                    return self._end("no engine replica of this group is available; retry later")
                 log.warning("request %s: engine replica failed (%s); resubmitting with %d tokens received",
                             self.rid, type(e).__name__, len(self.received))
                 await asyncio.sleep(0.5)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import IdTokenizer, make_tokenizer, tiny_llama
+from test_eagle3 import LAYERS, target_features
 from serve_app.config import EngineConfig, SamplingParams
 from serve_app.drafting import draft_worker
 from serve_app.drafting.distill import continue_prompts, make_data, token_set
@@ -14,20 +15,6 @@ from serve_app.drafting.eagle3 import Eagle3Draft
 from serve_app.drafting.eagle3_train import eagle_batches, train_eagle3, unroll
 from serve_app.scheduler import Engine
 from serve_app.worker import ModelWorker
-
-LAYERS = [0, 1, 2]
-
-
-def features(target, tokens):  # [len(tokens), F] straight from a plain forward
-    grabbed = {}
-    hooks = [target.model.layers[i].register_forward_pre_hook(
-        lambda m, a, kw, i=i: grabbed.__setitem__(i, a[0] if a else kw["hidden_states"]), with_kwargs=True) for i in (0, 1)]
-    hooks.append(target.model.norm.register_forward_pre_hook(lambda m, a: grabbed.__setitem__(2, a[0])))
-    with torch.no_grad():
-        target(torch.tensor([tokens]))
-    for h in hooks:
-        h.remove()
-    return torch.cat([grabbed[i][0] for i in LAYERS], dim=-1)
 
 
 def test_unrolled_training_steps_equal_what_the_draft_computes_when_serving():
@@ -38,7 +25,7 @@ def test_unrolled_training_steps_equal_what_the_draft_computes_when_serving():
             w = getattr(draft.self_attn, name).weight
             w[:, : w.shape[1] // 2] = torch.randn_like(w[:, : w.shape[1] // 2]) * 0.2
     tokens = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
-    feats = features(target, tokens[:-1])[None]  # [1, T-1, F]
+    feats = target_features(target, tokens[:-1])[None]  # [1, T-1, F]
     with torch.no_grad():
         states = unroll(draft, torch.tensor([tokens]), feats, steps=3)
     n = len(tokens) - 1
@@ -77,7 +64,7 @@ def test_generation_data_carries_the_targets_features_at_every_position_but_the_
     target, _, data = tiny_data
     for d in data[:6]:
         assert d["feat"].shape == (len(d["ids"]) - 1, 3 * 32) and d["feat"].dtype == torch.bfloat16
-        torch.testing.assert_close(d["feat"].float(), features(target, d["ids"][:-1]).float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(d["feat"].float(), target_features(target, d["ids"][:-1]).float(), rtol=2e-2, atol=2e-2)
 
 
 def test_training_lifts_agreement_and_the_trained_draft_stays_lossless(tiny_data, tmp_path):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import IdTokenizer
+from test_engine import reference
 from serve_app.cli import main
 from serve_app.config import EngineConfig, ModelConfig, SamplingParams
 from serve_app.drafting import draft_worker
@@ -18,16 +19,6 @@ from serve_app.speculative import warp_probs
 from serve_app.worker import ModelWorker
 
 PROMPTS = [[1, 2, 3], [5] * 11, list(range(10, 40)), [7, 8], [42], [5, 6, 7, 8] * 5, list(range(60, 50, -1))]
-
-
-def reference(target, prompts, n):
-    """Target-only greedy decoding with Hugging Face generate, one prompt at a time."""
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        outs.append(out[0, len(p):].tolist())
-    return outs
 
 
 @pytest.fixture(scope="module")

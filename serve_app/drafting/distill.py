@@ -259,6 +259,13 @@ def soft_loss(reduced_logits: torch.Tensor, t_idx: torch.Tensor, t_p: torch.Tens
     return per_pos[valid].mean()
 
 
+def reduced_index(draft) -> torch.Tensor:  # [V] long
+    """Target token id -> its index in the draft's reduced vocabulary, -1 outside it."""
+    to_reduced = torch.full((draft.vocab_size,), -1, dtype=torch.long)
+    to_reduced[draft.token_ids] = torch.arange(draft.token_ids.numel())
+    return to_reduced
+
+
 def optimizer_and_resume(draft, params: list, lr: float, total: int, warmup: int, ckpt: Path | None):
     """AdamW with linear warm-up over `warmup` steps then cosine decay over `total`; restored from `ckpt`
     (with the draft's weights) when it exists. Returns (opt, sched, the checkpoint dict or None)."""
@@ -279,8 +286,7 @@ def train(draft: ReducedVocabDraft, data: list[dict], epochs: int, batch_size: i
     """Soft cross-entropy over the reduced vocabulary; returns the mean loss of each epoch."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    to_reduced = torch.full((draft.vocab_size,), -1, dtype=torch.long)
-    to_reduced[draft.token_ids] = torch.arange(draft.token_ids.numel())
+    to_reduced = reduced_index(draft)
     params = [p for p in draft.parameters() if p.requires_grad]
     steps_per_epoch = math.ceil(len(data) / batch_size)
     total = epochs * steps_per_epoch

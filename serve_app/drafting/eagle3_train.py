@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
-from .distill import batch_groups, optimizer_and_resume, soft_loss, token_set
+from .distill import batch_groups, optimizer_and_resume, reduced_index, soft_loss, token_set
 from .eagle3 import Eagle3Draft
 
 
@@ -109,8 +109,7 @@ def train_eagle3(draft: Eagle3Draft, data: list[dict], epochs: int, batch_size: 
     forwards (float32 weights and optimizer), much faster on CPUs with native bfloat16."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    to_reduced = torch.full((draft.vocab_size,), -1, dtype=torch.long)
-    to_reduced[draft.token_ids] = torch.arange(draft.token_ids.numel())
+    to_reduced = reduced_index(draft)
     params = [p for p in draft.parameters() if p.requires_grad]
     per_epoch = math.ceil(len(data) / batch_size)
     total = epochs * per_epoch
