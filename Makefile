@@ -59,11 +59,12 @@ clean:
 
 # Locust, headless, then a PNG report (loadtest/README.md). SHAPE=step|sine|spike|paper (default paper),
 # DURATION=seconds (default 300; SMOKE=1: 30), USERS_SCALE=x, URL=http://host:8000 (default: the local
-# service, started if none answers), METRICS_URL=http://node:8080/metrics[,...] or prom+http://prometheus:9090.
+# service, started if none answers), METRICS_URL=http://node:8080/metrics[,...] or prom+http://prometheus:9090,
+# WORKERS=N: distributed, a Locust master + N worker processes (more users than one process can drive).
 loadtest: install  ## Locust load test against the service; CSVs + report PNG in out/loadtest (OUT=dir)
 	$(PY) -m loadtest.run --shape $(or $(SHAPE),paper) --duration $(if $(SMOKE),30,$(or $(DURATION),300)) \
 	  --users-scale $(or $(USERS_SCALE),1) --out $(or $(OUT),out/loadtest) \
-	  $(if $(URL),--url $(URL)) $(if $(METRICS_URL),--metrics-url $(METRICS_URL))
+	  $(if $(URL),--url $(URL)) $(if $(METRICS_URL),--metrics-url $(METRICS_URL)) $(if $(WORKERS),--workers $(WORKERS))
 
 # grafana-client comes with `install` (the `dashboards` extra, urllib3 kept apart: see the install stamp).
 dashboards: install  ## upload k8s/dashboards/*.json to Grafana (GRAFANA_URL=..., GRAFANA_TOKEN=...)

@@ -27,7 +27,8 @@ def served_name(cfg: AppConfig) -> str:
 def build_app(args: dict | None = None) -> Application:
     cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
     logs = {"enable_access_log": cfg.access_log}
-    store = ProfileStore.options(logging_config=logs).bind(cfg.profiles_dir)
+    pinned = {"ray_actor_options": {"num_cpus": 0, "resources": cfg.ingress_resources}} if cfg.ingress_resources else {}
+    store = ProfileStore.options(logging_config=logs, **pinned).bind(cfg.profiles_dir)
     routers = []
     for g in cfg.groups:
         actor_options: dict = {"num_cpus": 0}
@@ -42,7 +43,8 @@ def build_app(args: dict | None = None) -> Application:
                 logging_config=logs,
             ).bind(g.model_dump(), cfg.model.model_dump(), cfg.engine.model_dump(), cfg.max_queue, store, cfg.profile_poll_s)
         )
-    return OpenAIIngress.options(graceful_shutdown_timeout_s=cfg.drain_timeout_s, logging_config=logs).bind(
+    return OpenAIIngress.options(graceful_shutdown_timeout_s=cfg.drain_timeout_s, logging_config=logs, **pinned).bind(
         routers, [g.name for g in cfg.groups], cfg.model.target, served_name(cfg),
         cfg.max_tokens_limit, cfg.engine.max_stop_strings, cfg.engine.max_resumes, cfg.replica_wait_s, store,
+        [g.num_replicas for g in cfg.groups],
     )

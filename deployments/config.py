@@ -64,6 +64,10 @@ class AppConfig(BaseModel):
     replica_wait_s: float = Field(120, gt=0)
     """When a Router replica dies, how long the ingress keeps trying to resubmit its requests to the
     group (a live replica, or the replacement Serve starts) before answering 503."""
+    ingress_resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources the ingress and the ProfileStore need, to pin them to a node that stays
+    (e.g. {"head": 0.001} with the head started with that resource): by default they may land on any
+    node, and one lost with a GPU node takes the HTTP entry with it until Serve replaces it."""
     access_log: bool = False
     """Log a line per request and per internal call (Serve's access log). Off by default: errors and
     state changes (a worker replaced, a profile pushed) are logged either way."""

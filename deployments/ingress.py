@@ -97,8 +97,14 @@ class RouterStream:
     """
 
     def __init__(self, handle, ids: list[int], params: dict, rid: str, stream: bool,
-                 max_resubmits: int = 2, wait_s: float = 120.0):
+                 max_resubmits: int = 2, wait_s: float = 120.0, reroute=None):
         self.handle, self.ids, self.params, self.rid, self.stream = handle, ids, params, rid, stream
+        # reroute(): the (handle, is_down) of the group to use now - another one when this group is down
+        # (its nodes gone): resubmissions go there, and a request waiting for its first event moves.
+        self.reroute = reroute
+        self.group_down = lambda: False
+        if reroute is not None:
+            self.handle, self.group_down = reroute()
         self.max_resubmits, self.wait_s = max_resubmits, wait_s
         self.received: list[int] = []
         self.sent_chars = 0  # characters of text the client has been given
@@ -111,8 +117,32 @@ class RouterStream:
         resume = {"output_ids": self.received, "sent_chars": self.sent_chars} if self.received else None
         self._got_event = False
         self.events = self.handle.options(stream=True).generate.remote(self.ids, self.params, self.rid, self.stream, resume)
+        self._pending = None
+
+    async def _event(self) -> dict:
+        """The stream's next event. While it waits for its first one, it watches its group: a group
+        marked down (no replica reachable) would hold the request in Serve's queue for a replica that
+        never comes, so the request moves to the group `reroute` gives now."""
+        while not self._got_event and self.reroute is not None:
+            if self._pending is None:
+                self._pending = asyncio.ensure_future(self.events.__anext__())
+            done, _ = await asyncio.wait({self._pending}, timeout=1.0)
+            if done:
+                task, self._pending = self._pending, None
+                return task.result()
+            if self.group_down():
+                handle, down = self.reroute()
+                if handle is not self.handle:
+                    log.warning("request %s: its engine group is down; moving it to another group", self.rid)
+                    self.cancel()
+                    self.handle, self.group_down = handle, down
+                    self.start()
+        return await self.events.__anext__()
 
     def cancel(self) -> None:
+        if getattr(self, "_pending", None) is not None:
+            self._pending.cancel()  # a first event still awaited (see _event)
+            self._pending = None
         if self.events is not None:
             self.events.cancel()  # the router aborts the request: frees its queue place or batch slot and KV
 
@@ -126,7 +156,7 @@ class RouterStream:
         deadline = None
         while True:
             try:
-                ev = await self.events.__anext__()
+                ev = await self._event()
             except StopAsyncIteration:
                 return self._end("engine stream ended early")
             except Exception as e:  # the Router replica died (or is unreachable)
@@ -142,6 +172,8 @@ class RouterStream:
                 log.warning("request %s: engine replica failed (%s); resubmitting with %d tokens received",
                             self.rid, type(e).__name__, len(self.received))
                 await asyncio.sleep(0.5)
+                if self.reroute is not None:  # the same group while it is up, else a live one
+                    self.handle, self.group_down = self.reroute()
                 self.start()
                 continue
             self._got_event = True
@@ -166,11 +198,23 @@ class _GroupLease:
     the count need no lock.
     """
 
-    def __init__(self, in_flight: dict[str, int], group: str):
-        self.in_flight, self.group = in_flight, group
+    def __init__(self, in_flight: dict[str, int], group: str, ingress=None):
+        self.in_flight, self.group, self.ingress = in_flight, group, ingress
         self.upstream: RouterStream | None = None  # the router's event stream, once asked for
         self.ended = False
         in_flight[group] += 1
+
+    def reroute(self):
+        """(handle, is_down) of the group this request should use now: its own while that group is
+        up, else the least loaded live one (the request's place in the counts moves with it)."""
+        ing = self.ingress
+        if self.group in ing.down and not self.ended:
+            group = ing._pick_group()
+            if group != self.group:
+                self.in_flight[self.group] -= 1
+                self.in_flight[group] += 1
+                self.group = group
+        return ing.routers[self.group], (lambda g=self.group: g in ing.down)
 
     def end(self, finished: bool) -> None:
         """finished: the router's stream is over (or never began), so there is nothing to cancel."""
@@ -289,6 +333,11 @@ def render_metrics(snapshots: dict[str, dict], model_name: str) -> str:
     lines += [f"# HELP {name} Draft tokens accepted, by position in the draft.", f"# TYPE {name} counter"]
     lines += [f"{name}{{{labels(r, s, position=i)}}} {float(n)}"
               for r, s in snapshots.items() for i, n in enumerate(s["counters"]["accepted_per_position"])]
+    name = "specserve_profile_info"
+    lines += [f"# HELP {name} 1 for the kind of profile a replica steers by (measured, predicted, none), 0 for the others.",
+              f"# TYPE {name} gauge"]
+    lines += [f"{name}{{{labels(r, s, source=src, version=s['profile']['version'])}}} {float(src == s['profile']['source'])}"
+              for r, s in snapshots.items() if "profile" in s for src in ("measured", "predicted", "none")]
     return "\n".join(lines) + "\n"
 
 
@@ -301,8 +350,11 @@ MAX_CHOICES = 16
 class OpenAIIngress:
     def __init__(self, routers: list, groups: list[str], target: str, served_model_name: str,
                  max_tokens_limit: int, max_stop_strings: int, max_resubmits: int = 2, resubmit_wait_s: float = 120.0,
-                 store=None):
+                 store=None, group_replicas: list[int] | None = None):
         self.routers = dict(zip(groups, routers))
+        self.replicas = dict(zip(groups, group_replicas or [1] * len(groups)))  # Router replicas per group
+        self.down: set[str] = set()  # groups no Router replica answers for (their nodes gone): see _watch_groups
+        self._watcher = None
         self.store = store  # the ProfileStore, where Router replicas leave their counters (/metrics)
         self.max_resubmits, self.resubmit_wait_s = max_resubmits, resubmit_wait_s
         self.draining = False
@@ -321,8 +373,10 @@ class OpenAIIngress:
 
     @app.get("/readyz")
     async def readyz(self):
-        """Readiness: 200 once every engine group can serve (its models loaded, no worker being
-        replaced), 503 before that and while draining for a shutdown."""
+        """Readiness: 200 once every live engine group can serve (its models loaded, no worker being
+        replaced), 503 before that, while draining for a shutdown, and when no group is live. A group
+        marked down (no replica answering: its nodes are gone) does not hold the others back."""
+        self._watch()
         async def group_ready(name: str) -> dict:
             try:
                 return await asyncio.wait_for(self.routers[name].ready.remote(), timeout=5)
@@ -330,7 +384,10 @@ class OpenAIIngress:
                 return {"ready": False, "reason": f"engine group not reachable ({type(e).__name__})"}
 
         groups = dict(zip(self.routers, await asyncio.gather(*(group_ready(g) for g in self.routers))))
-        ready = not self.draining and all(g["ready"] for g in groups.values())
+        live = [body for g, body in groups.items() if g not in self.down]
+        for g in self.down:
+            groups[g] = {**groups[g], "down": True}
+        ready = not self.draining and bool(live) and all(g["ready"] for g in live)
         body = {"status": "ready" if ready else ("draining" if self.draining else "not ready"), "groups": groups}
         return JSONResponse(body, status_code=200 if ready else 503)
 
@@ -478,7 +535,37 @@ class OpenAIIngress:
                 "top_logprobs": [{self._token(a)["token"]: alp for a, alp in alts} for _, alts in lps]}
 
     def _pick_group(self) -> str:
-        return min(self.in_flight, key=self.in_flight.get)
+        """The live group with the fewest requests in flight per Router replica (a group of 4 replicas
+        takes 4 times the requests of a group of 1); every group when none is live."""
+        live = [g for g in self.in_flight if g not in self.down] or list(self.in_flight)
+        return min(live, key=lambda g: self.in_flight[g] / self.replicas[g])
+
+    def _watch(self) -> None:
+        if self._watcher is None and len(self.routers) > 1:  # one group has nowhere else to send requests
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_groups())
+
+    async def _watch_groups(self, period_s: float = 2.0, misses: int = 3) -> None:
+        """Mark a group down when `misses` pings in a row get no answer from any of its Router
+        replicas (its nodes are gone: Serve would hold its requests until a replica comes back), and up
+        at the first answer. New requests go to live groups; requests waiting on a down group move."""
+        missed = {g: 0 for g in self.routers}
+        while True:
+            async def ping(g: str) -> bool:
+                try:
+                    await asyncio.wait_for(self.routers[g].ready.remote(), timeout=period_s * 1.5)
+                    return True
+                except Exception:
+                    return False
+
+            for g, ok in zip(self.routers, await asyncio.gather(*(ping(g) for g in self.routers))):
+                missed[g] = 0 if ok else missed[g] + 1
+                if missed[g] >= misses and g not in self.down:
+                    log.warning("engine group %s is not answering: sending its requests to the other groups", g)
+                    self.down.add(g)
+                elif ok and g in self.down:
+                    log.warning("engine group %s answers again", g)
+                    self.down.discard(g)
+            await asyncio.sleep(period_s)
 
     async def _respond(self, request: Request, body: SamplingFields, prompts: list[list[int]], max_tokens: int, chat: bool):
         """Each choice (prompts x n) is its own request to the least-loaded group; the answers merge."""
@@ -488,16 +575,18 @@ class OpenAIIngress:
         if self.draining:
             raise APIError(503, "the server is shutting down; retry on another instance", code="draining", retry_after=5)
         rid = request_id(request)
+        self._watch()
         jobs = [(ids, params if params["seed"] is None else {**params, "seed": params["seed"] + j})
                 for ids in prompts for j in range(body.n)]  # choice index = prompt index * n + j
         leases: list[_GroupLease] = []
         stream = None  # once set, the SSE generator owns the leases
         try:
             for c, (ids, p) in enumerate(jobs):
-                lease = _GroupLease(self.in_flight, self._pick_group())
+                lease = _GroupLease(self.in_flight, self._pick_group(), self)
                 leases.append(lease)
                 lease.upstream = RouterStream(self.routers[lease.group], ids, p, rid if len(jobs) == 1 else f"{rid}-{c}",
-                                              body.stream, self.max_resubmits, self.resubmit_wait_s)
+                                              body.stream, self.max_resubmits, self.resubmit_wait_s,
+                                              reroute=lease.reroute if len(self.routers) > 1 else None)
                 lease.upstream.start()
             firsts = await asyncio.gather(*(lease.upstream.next() for lease in leases))
             for first in firsts:

@@ -1,7 +1,9 @@
 """ProfileStore: the one shared copy of the speculation profiles, keyed by hardware type, versioned.
 
 Routers read their hardware type's profile at start and poll for a newer version; `specserve
-profiles push FILE` replaces a profile while the service runs (no restart). With each poll a Router
+profiles push FILE` replaces a profile while the service runs (no restart). A measured profile always
+wins over a predicted one (`specserve profile --predict`): at load, and at a push, which is refused for
+a predicted profile where a measured one is held. With each poll a Router
 also leaves its counters here, so the ingress can serve every replica's series on the API port
 (`/metrics`) without knowing where the replicas run.
 """
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 from ray import serve
 
-from serve_app.profiles import Profile, load_profiles
+from serve_app.profiles import Profile, load_profiles, replaces
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -26,8 +28,14 @@ class ProfileStore:
         return (self.versions.get(gpu_type, 0), prof.model_dump() if prof else None)
 
     def push(self, profile: dict) -> int:
-        """Validate and store a profile, replacing any for the same hardware type; returns its version."""
+        """Validate and store a profile, replacing any for the same hardware type; returns its version.
+        A predicted profile where a measured one is held is refused (ValueError): a model never
+        overrides a measurement. A measured one always replaces."""
         prof = Profile.model_validate(profile)
+        held = self.profiles.get(prof.gpu_type)
+        if not replaces(held, prof):
+            raise ValueError(f"a measured profile for {prof.gpu_type} (created {held.created}) is in use; a predicted "
+                             "one does not replace it (push a measured profile to update it)")
         self.profiles[prof.gpu_type] = prof
         self.versions[prof.gpu_type] = self.versions.get(prof.gpu_type, 0) + 1
         return self.versions[prof.gpu_type]

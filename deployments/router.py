@@ -210,9 +210,23 @@ class Router:
                                             tag_keys=tags + ("role",))
         self.m_resumed = metrics.Counter("specserve_resumed_requests", "Requests resumed after a worker failure.",
                                          tag_keys=tags)
+        self.m_profile = metrics.Gauge("specserve_profile_info",
+                                       "1 on the series of the kind of profile this group holds (measured, predicted, "
+                                       "or none); 0 on the others.", tag_keys=tags + ("source",))
         for m in (self.m_recoveries, self.m_resumed, self.m_requests, self.m_prompt, self.m_generated, self.m_proposed, self.m_accepted,
-                  self.m_ttft, self.m_tpot, self.m_step, self.m_batch, self.m_k, self.m_queue, self.m_estimate):
+                  self.m_ttft, self.m_tpot, self.m_step, self.m_batch, self.m_k, self.m_queue, self.m_estimate, self.m_profile):
             m.set_default_tags({"gpu_type": self.gpu_type, "group": self.group.name})
+        self._profile_gauge()
+
+    def profile_source(self) -> str:
+        """`measured` or `predicted` (the profile held for this hardware type), `none` without one."""
+        return self.profile.source if self.profile is not None else "none"
+
+    def _profile_gauge(self) -> None:
+        # Every source gets a value, so a predicted profile replaced by a measured one drops to 0 rather
+        # than lingering at 1 beside it.
+        for source in ("measured", "predicted", "none"):
+            self.m_profile.set(1 if source == self.profile_source() else 0, tags={"source": source})
 
     # ---- serving -----------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: dict, request_id: str = "req", stream: bool = True,
@@ -342,7 +356,8 @@ class Router:
             if version != self.profile_version:
                 self.profile_version, self.profile = version, profile
                 self.engine.policy = self._policy()  # the next step uses it
-                log.info("profile for %s now version %d", self.gpu_type, version)
+                self._profile_gauge()
+                log.info("profile for %s now version %d (%s)", self.gpu_type, version, self.profile_source())
 
     async def check_health(self) -> None:
         """A dead worker found here is repaired in place (the engine replaces it, see `_repair`); only a
@@ -391,6 +406,7 @@ class Router:
         """Counters and gauges of this replica, for /metrics on the API port."""
         t = self.totals
         return {"group": self.group.name, "gpu_type": self.gpu_type, "time": time.time(),
+                "profile": {"source": self.profile_source(), "version": self.profile_version},
                 "counters": {**{k: v for k, v in t.items() if not isinstance(v, Tally)},
                              "requests": dict(t["requests"]),
                              "accepted_per_position": [t["accepted_per_position"][i] for i in range(len(t["accepted_per_position"]))]},
@@ -408,7 +424,7 @@ class Router:
     async def stats(self) -> dict:
         return {
             "group": self.group.name, "gpu_type": self.gpu_type, "profile_version": self.profile_version,
-            "policy": self.engine.policy.name, "profile_problem": self.profile_problem,
+            "profile_source": self.profile_source(), "policy": self.engine.policy.name, "profile_problem": self.profile_problem,
             "acceptance_estimate": self.acceptance_estimate(),
             "k_steps": dict(self.k_tally), "max_batch_seen": self.max_batch_seen,
             "running": len(self.engine.running), "waiting": len(self.engine.waiting), "reserved": self.engine.reserved,

@@ -3,6 +3,7 @@
     python -m loadtest.run                                   # local service (started if none answers)
     python -m loadtest.run --url http://HOST:8000 --shape step    # metrics from HOST:8000/metrics
     python -m loadtest.run --shape paper --duration 30       # ~30 s smoke run of any shape
+    python -m loadtest.run --workers 4                       # distributed: a Locust master + 4 worker processes
 
 Writes into --out (default out/loadtest), all named after the shape: Locust's CSVs
 (<shape>_stats.csv, _stats_history.csv with every entry, _failures.csv, _exceptions.csv), its HTML
@@ -96,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--metrics-port", type=int, default=8080, help="local service metrics port")
     p.add_argument("--serve-wait", type=float, default=600, help="seconds to wait for a started service")
     p.add_argument("--serve-args", default="", help="extra `specserve serve` arguments for a started service")
+    p.add_argument("--workers", type=int, default=0,
+                   help="distributed: a Locust master and this many worker processes on this machine (0: one process); "
+                        "workers elsewhere join with `locust -f loadtest/locustfile.py --worker --master-host HOST`")
+    p.add_argument("--master-port", type=int, default=5557, help="distributed: the master's port for workers")
     p.add_argument("locust_args", nargs="*", help="after --: passed to Locust as they are")
     a = p.parse_args(argv)
 
@@ -131,8 +136,19 @@ def main(argv: list[str] | None = None) -> int:
             env["LOADTEST_TIME_SCALE"] = str(a.time_scale)
             env["LOADTEST_PERCENTILE_WINDOW_S"] = str(max(2, min(10, round(10 * a.time_scale * 6))))
         cmd = locust_command(a, prefix)
-        print(f"loadtest: {a.shape} shape against {a.url} -> {out}/", flush=True)
-        rc = subprocess.run(cmd, env=env).returncode
+        workers = []
+        if a.workers > 0:  # the master runs the shape and writes the CSVs; the workers run the users
+            cmd += ["--master", "--expect-workers", str(a.workers), "--master-bind-port", str(a.master_port)]
+            worker_cmd = [sys.executable, "-m", "locust", "-f", str(HERE / "locustfile.py"), "--worker",
+                          "--master-host", "127.0.0.1", "--master-port", str(a.master_port), "--loglevel", "WARNING"]
+            workers = [subprocess.Popen(worker_cmd, env=env, start_new_session=True) for _ in range(a.workers)]
+        print(f"loadtest: {a.shape} shape against {a.url} -> {out}/"
+              + (f" (master + {a.workers} workers)" if workers else ""), flush=True)
+        try:
+            rc = subprocess.run(cmd, env=env).returncode
+        finally:
+            for w in workers:  # they quit with the master; make sure
+                stop_local(w, wait_s=15)
     finally:
         if proc is not None:
             stop_local(proc)

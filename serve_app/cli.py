@@ -157,18 +157,37 @@ def _parser() -> argparse.ArgumentParser:
     ch.set_defaults(func=_cmd_chaos)
 
     sm = sub.add_parser("simulate", help="discrete-event simulation of the service on a fleet of hardware types, from profiles")
-    sm.add_argument("--fleet", required=True, help="TYPE:N[,TYPE:N...]: replicas per hardware type (profile name)")
+    sm.add_argument("--fleet", default=None, help="TYPE:N[,TYPE:N...]: replicas per hardware type (profile name)")
     sm.add_argument("--profiles", default="profiles", help="directory of profile JSON files")
     sm.add_argument("--shape", default=None, help="closed-loop users following a load shape (step, sine, spike, paper)")
     sm.add_argument("--trace", default=None, help="CSV of arrival_s,prompt_tokens,output_tokens (open loop)")
-    sm.add_argument("--policy", default="none,fixed:1,fixed:2,lut,adaptive", help="comma-separated policies to compare")
+    sm.add_argument("--policy", default=None, help="comma-separated policies to compare (default none,fixed:1,fixed:2,"
+                                                   "lut,adaptive; with --validate also fixed:4 and fixed:8)")
     sm.add_argument("--duration", type=float, default=None, help="simulated seconds of a shape (default its nominal length)")
     sm.add_argument("--users-scale", type=float, default=1.0, help="multiplies the shape's user counts")
-    sm.add_argument("--prompt-tokens", type=int, default=64)
-    sm.add_argument("--output-tokens", type=int, default=64)
+    sm.add_argument("--prompt-tokens", default="64", help="closed loop: tokens per prompt, N or LOW-HIGH (uniform)")
+    sm.add_argument("--output-tokens", default="16-128", help="closed loop: tokens per answer, N or LOW-HIGH (uniform)")
     sm.add_argument("--max-batch", type=int, default=8)
     sm.add_argument("--seed", type=int, default=0)
-    sm.add_argument("--out", default="out/simulate", help="writes results.json, summary.md, k_batch.png here")
+    sm.add_argument("--route", default="least-loaded", choices=["least-loaded", "group-total"],
+                    help="least-loaded: the ingress (the group with the fewest in flight per replica, then its replica "
+                         "with the fewest); group-total: the group with the fewest in flight, whatever its size")
+    sm.add_argument("--engine", default="auto", choices=["auto", "step", "fleet"],
+                    help="step: every engine step an event (exact); fleet: all replicas advanced together in ticks "
+                         "(vectorised, for thousands of replicas); auto: fleet above 32 replicas")
+    sm.add_argument("--tick", type=float, default=0.1, help="fleet engine: seconds per tick")
+    sm.add_argument("--out", default=None, help="writes results.json, summary.md (and k_batch.png) here "
+                                                "(default out/simulate, with --validate results/simulate-validate-<hardware>)")
+    sm.add_argument("--validate", action="store_true",
+                    help="replay `bench policies` (b) for real on this machine and simulated from its profile, "
+                         "compare mean latency per policy; exit 1 when an error is over --tolerance or the order differs")
+    sm.add_argument("--tolerance", type=float, default=0.15, help="--validate: largest relative error allowed")
+    sm.add_argument("--tie", type=float, default=0.05,
+                    help="--validate: policies the real run puts closer than this (relative) may come in either order")
+    sm.add_argument("--scale", type=float, default=0.7, help="--validate: scales the schedule's length (as bench policies)")
+    sm.add_argument("--repeat", type=int, default=3, help="--validate: real rounds (policies interleaved); medians")
+    sm.add_argument("--profile", default=None, help="--validate: profile (default profiles/<hardware type>.json)")
+    _model_args(sm)
     sm.set_defaults(func=_cmd_simulate)
 
     dr = sub.add_parser("drain", help="stop a running service admitting requests and wait for in-flight ones "
@@ -186,6 +205,20 @@ def _parser() -> argparse.ArgumentParser:
     pf.add_argument("--reps", type=int, default=5, help="steps per (batch size, k) cell; the median is kept")
     pf.add_argument("--prompts", type=int, default=16, help="prompts for the acceptance measurement")
     pf.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt for the acceptance measurement")
+    pf.add_argument("--predict", metavar="GPU_TYPE", default=None,
+                    help="measure nothing: write a profile marked `source: predicted` for GPU_TYPE from the roofline "
+                         "model (serve_app/roofline.py); needs --acceptance-rate or --acceptance-from")
+    pf.add_argument("--acceptance-rate", type=float, default=None,
+                    help="--predict: assumed per-token acceptance a (draft position i accepted with a^(i+1))")
+    pf.add_argument("--acceptance-from", metavar="PROFILE", default=None,
+                    help="--predict: take the acceptance from this measured profile of the same pair and dtype")
+    pf.add_argument("--context", type=int, default=None,
+                    help="--predict, --check-prediction: tokens of KV cache per sequence assumed in every cell "
+                         "(default: 512 for --predict, the profile's recorded mean context for --check-prediction)")
+    pf.add_argument("--check-prediction", metavar="PROFILE", default=None,
+                    help="measure this machine's bandwidth and matmul speed, predict PROFILE's latency grid for its "
+                         "pair (--target/--draft) and compare per cell; --out: results stem "
+                         "(default results/predict-check-<its hardware type>)")
     pf.set_defaults(func=_cmd_profile)
 
     pr = sub.add_parser("profiles", help="manage the running service's speculation profiles")
@@ -448,14 +481,48 @@ def _cmd_distill(args) -> int:
 
 
 def _cmd_profile(args) -> int:
-    from .profiler import run_profile
+    from .profiler import plot_profile, run_profile
 
+    if args.predict and args.check_prediction:
+        raise UsageError("--predict and --check-prediction are two different runs: pass one")
+    if (args.acceptance_rate is not None or args.acceptance_from) and not args.predict:
+        raise UsageError("--acceptance-rate / --acceptance-from only go with --predict (a measured profile measures it)")
+    if args.context is not None and args.context < 0:
+        raise UsageError("--context must be >= 0")
+    if args.check_prediction:
+        from .bench.rounds import RESULTS_DIR, write_results
+        from .profiles import load_profile
+        from .roofline import check_for
+
+        stem = args.out or str(RESULTS_DIR / f"predict-check-{load_profile(args.check_prediction).gpu_type}")
+        data, markdown = check_for(args.check_prediction, args.target, args.draft, args.context)
+        print(markdown)
+        json_path, md_path = write_results(stem, data, markdown)
+        print(f"results: {json_path}, {md_path}")
+        return 0
     sizes = sorted(set(int_list(args.batch_sizes, "--batch-sizes")))
     if not sizes or sizes[0] < 1 or not 1 <= args.max_k <= 32 or args.reps < 1 or args.prompts < 1 or args.max_tokens < 1:
         raise UsageError("need batch sizes >= 1, 1 <= --max-k <= 32, and --reps, --prompts, --max-tokens >= 1")
-    mc = ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
-    profile, path = run_profile(mc, args.out, sizes, args.max_k, args.reps, args.prompts, args.max_tokens)
-    print(f"profile for {profile.gpu_type} written to {path} (heatmap {path.with_suffix('.png')})")
+    if args.predict:
+        from pathlib import Path
+
+        from .profiles import save_profile
+        from .roofline import predict_for
+
+        # auto: bfloat16, which every GPU in the spec table computes natively
+        dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+        context = 512 if args.context is None else args.context  # a prompt of a few hundred tokens and some output
+        profile = predict_for(args.predict, args.target, args.draft, dtype, context, args.max_k, sizes,
+                              args.acceptance_rate, args.acceptance_from)
+        path = Path(args.out or f"profiles/{profile.gpu_type}.json")
+        save_profile(profile, path)
+        plot_profile(profile, path.with_suffix(".png"))
+        print(f"PREDICTED profile for {profile.gpu_type} written to {path} (heatmap {path.with_suffix('.png')}); "
+              "a measured profile replaces it")
+    else:
+        mc = ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
+        profile, path = run_profile(mc, args.out, sizes, args.max_k, args.reps, args.prompts, args.max_tokens)
+        print(f"profile for {profile.gpu_type} written to {path} (heatmap {path.with_suffix('.png')})")
     print(f"acceptance per position {profile.acceptance}, fitted rate {profile.acceptance_rate}")
     print("best k by batch size: " + ", ".join(f"{b}: {k}" for b, k in profile.best_k.items()))
     return 0
@@ -495,6 +562,11 @@ def _cmd_simulate(args) -> int:
     from .profiles import load_profiles
     from .simulate import read_trace, run_simulations
 
+    if args.validate:
+        return _cmd_simulate_validate(args)
+    args.out = args.out or "out/simulate"
+    if not args.fleet:
+        raise UsageError("need --fleet TYPE:N[,...] (or --validate)")
     try:
         fleet = {t: int(n) for t, _, n in (part.rpartition(":") for part in args.fleet.split(","))}
     except ValueError:
@@ -502,8 +574,11 @@ def _cmd_simulate(args) -> int:
     if not fleet or any(not t or n < 1 for t, n in fleet.items()) or (args.shape is None) == (args.trace is None):
         raise UsageError("need --fleet TYPE:N[,...] with N >= 1, and exactly one of --shape or --trace")
     profiles = load_profiles(args.profiles)
-    kwargs = {"prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "max_batch": args.max_batch,
-              "seed": args.seed}
+    if args.tick <= 0:
+        raise UsageError("--tick must be > 0 seconds")
+    kwargs = {"prompt_tokens": _token_range(args.prompt_tokens, "--prompt-tokens"),
+              "output_tokens": _token_range(args.output_tokens, "--output-tokens"), "max_batch": args.max_batch,
+              "seed": args.seed, "route": args.route, "engine": args.engine, "tick_s": args.tick}
     if args.trace:
         kwargs["trace"] = read_trace(args.trace)
     else:
@@ -511,13 +586,45 @@ def _cmd_simulate(args) -> int:
         nominal = shape.nominal_s()
         duration = args.duration or nominal
         kwargs.update(users_at=lambda t: shape.users_at(t * nominal / duration) * args.users_scale, duration_s=duration)
-    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    policies = [p.strip() for p in (args.policy or "none,fixed:1,fixed:2,lut,adaptive").split(",") if p.strip()]
     try:
         _, markdown = run_simulations(fleet, profiles, policies, args.out, **kwargs)
     except ValueError as e:
         raise UsageError(str(e)) from None
     print("\n" + markdown + f"\nwritten to {args.out}/")
     return 0
+
+
+def _token_range(text: str, flag: str) -> "int | tuple[int, int]":
+    """N, or LOW-HIGH (drawn uniformly per request)."""
+    low, _, high = text.partition("-")
+    try:
+        out = (int(low), int(high)) if high else int(low)
+    except ValueError:
+        raise UsageError(f"{flag}: N or LOW-HIGH, e.g. 64 or 16-128") from None
+    values = out if isinstance(out, tuple) else (out, out)
+    if values[0] < 1 or values[1] < values[0]:
+        raise UsageError(f"{flag}: need 1 <= LOW <= HIGH")
+    return out
+
+
+def _cmd_simulate_validate(args) -> int:
+    from .bench.rounds import default_stem
+    from .bench.simcheck import validate
+    from .models import load_models
+
+    policies = [p.strip() for p in (args.policy or "none,fixed:1,fixed:2,fixed:4,fixed:8,lut,adaptive").split(",")
+                if p.strip()]
+    if args.fleet or args.shape or args.trace or args.tolerance <= 0 or args.tie < 0 or args.scale <= 0 or args.repeat < 1:
+        raise UsageError("--validate runs its own schedule on this machine: no --fleet, --shape or --trace; "
+                         "--tolerance and --scale > 0, --tie >= 0, --repeat >= 1")
+    mc = _bench_model(args)
+    profile = find_profile(args.profile, mc)
+    out = args.out or str(default_stem("simulate-validate"))
+    _, markdown, passed = validate(load_models(mc), profile, policies, out, args.scale, args.seed, args.repeat,
+                                   args.tolerance, args.tie)
+    print("\n" + markdown + f"\nwritten to {out}/")
+    return 0 if passed else 1
 
 
 def _load_shape(name: str):
@@ -561,7 +668,9 @@ def _cmd_profiles_push(args) -> int:
         version = serve.get_deployment_handle("ProfileStore", app_name=args.app).push.remote(profile.model_dump()).result()
     except ConnectionError as e:
         raise UsageError(f"no running Ray cluster at {args.address}: {e}") from None
-    print(f"profile for {profile.gpu_type} is now version {version}; routers pick it up within seconds")
+    except ValueError as e:  # refused by the store (a predicted profile where a measured one is held): its message
+        raise UsageError(f"{args.file} not pushed: {getattr(e, 'cause', e)}") from None
+    print(f"{profile.source} profile for {profile.gpu_type} is now version {version}; routers pick it up within seconds")
     return 0
 
 

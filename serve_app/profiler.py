@@ -2,9 +2,12 @@
 
 Runs the real engine (no Ray: GPU boxes with only torch + transformers can profile) in two parts:
 1. Latency grid. For each batch size b, b greedy requests run together while the profiler sets k:
-   every round visits each k = 0..K in a shuffled order, two steps per visit; each cell is the median
+   every round (fresh requests, so contexts stay at a chat answer's length) visits each k = 0..K in a
+   shuffled order, two steps per visit; each cell is the median
    over `reps` rounds of the second step's draft, verification and other time (the first step of a
    visit pays for switching k and is recorded apart, as the cost of resuming after k = 0).
+   Then the prefill per batch size: a fresh engine admitting b prompts at once, less the k = 0 step
+   that follows (simulators price each request's admission with it).
 2. Acceptance per position: the engine at fixed:K over PROFILE_PROMPTS, a prompt set no distillation
    and no benchmark uses (so the policies are never judged on the prompts that tuned them).
 From both it derives the best-k table (lowest latency per generated token per batch size) and
@@ -38,8 +41,9 @@ def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int],
                     seed: int = 0) -> LatencyGrid:
     """Median draft / verify / other time of a step for every (batch size, k).
 
-    b greedy requests run together while the profiler sets k. Each of `reps` rounds (after a warm-up
-    round) visits every k once, in a shuffled order, so each k sees the same mix of context lengths and
+    b greedy requests run together while the profiler sets k, b fresh ones every round (so contexts
+    stay at the prompt plus one round's tokens). Each of `reps` rounds (after a warm-up round) visits
+    every k once, in a shuffled order, so each k sees the same mix of context lengths and
     predecessors. A visit is two steps at that k: the first pays for the switch (after a k = 0 visit,
     the draft feeds the tokens it skipped) and is kept out of the cell, which records the second, the
     cost a policy that stays at k pays every step. The switch cost is real but belongs to switching:
@@ -47,25 +51,29 @@ def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int],
     """
     prompts = chat_prompts(models.tokenizer, PROFILE_PROMPTS, max(batch_sizes))
     rounds = reps + 1  # one warm-up round per batch size, not recorded
-    max_tokens = rounds * 2 * sum(k + 1 for k in ks) + 2
+    per_round = 2 * sum(k + 1 for k in ks) + 2  # tokens one round can generate per sequence
     rng = random.Random(seed)
     cells = {name: [[0.0] * len(ks) for _ in batch_sizes] for name in ("draft_ms", "verify_ms", "other_ms")}
-    resume_ms = []
+    resume_ms, prefill_ms, prefill_draft_ms, contexts = [], [], [], []
+    mean_prompt = statistics.fmean(len(p) for p in prompts[:max(batch_sizes)])
     for i, b in enumerate(batch_sizes):
-        need = max(len(p) for p in prompts[:b]) + max_tokens + max(ks) + 1
+        need = max(len(p) for p in prompts) + per_round + max(ks) + 1
         engine = _engine(models, b, max(ks), b * need)
         if need > engine.max_model_len:
-            raise ValueError(f"profiling k up to {max(ks)} with {reps} repetitions needs {need} tokens of context; "
-                             f"the model allows {engine.max_model_len}: lower --max-k or --reps")
+            raise ValueError(f"profiling k up to {max(ks)} needs {need} tokens of context; "
+                             f"the model allows {engine.max_model_len}: lower --max-k")
         seen: list[StepStats] = []
         engine.on_step.append(seen.append)
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        reqs = [engine.submit(p, params) for p in prompts[:b]]
-        engine.step()  # prefill (and a k = 0 step), not recorded
+        params = SamplingParams(max_tokens=per_round, ignore_eos=True)
         samples: dict[int, list[StepStats]] = {k: [] for k in ks}
         resumes: list[tuple[int, StepStats]] = []  # (k, switch step) right after a k = 0 visit
         prev = 0
         for r in range(rounds):
+            # Fresh requests every round: contexts stay at a chat answer's length (prompt + up to one
+            # round's tokens) instead of growing over the rounds; attention reads every earlier token.
+            reqs = [engine.submit(prompts[(r * b + j) % len(prompts)], params) for j in range(b)]
+            engine.policy = FixedK(0)
+            engine.step()  # prefill (and a k = 0 step), not recorded
             order = list(ks)
             rng.shuffle(order)
             for k in order:
@@ -75,20 +83,50 @@ def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int],
                 engine.step()
                 if r:
                     samples[k].append(seen[-1])
+                    contexts.append(statistics.fmean(len(q.context()) for q in reqs))
                     if prev == 0 and k > 0:
                         resumes.append((k, switch))
                 prev = k
                 bar.update(1)
+            for q in reqs:
+                engine.abort(q)
+            engine.step()  # drops them: frees their KV
         for j, k in enumerate(ks):
             for name, attr in (("draft_ms", "draft_s"), ("verify_ms", "verify_s"), ("other_ms", "other_s")):
                 cells[name][i][j] = round(statistics.median(getattr(s, attr) for s in samples[k]) * 1000, 3)
         steady = {k: cells["draft_ms"][i][j] for j, k in enumerate(ks)}
         extra = [s.draft_s * 1000 - steady[k] for k, s in resumes]
         resume_ms.append(round(max(statistics.median(extra), 0.0), 3) if extra else 0.0)
-        for r in reqs:
-            engine.abort(r)
-        engine.step()  # drops them: frees this batch's KV before the next size
-    return LatencyGrid(batch_sizes=batch_sizes, ks=ks, resume_ms=resume_ms, **cells)
+        total_k0 = cells["draft_ms"][i][0] + cells["verify_ms"][i][0] + cells["other_ms"][i][0]
+        at_mean = b * mean_prompt / sum(len(p) for p in prompts[:b])  # priced at the common mean prompt length
+        whole, draft = measure_prefill(models, prompts[:b], reps, total_k0, cells["draft_ms"][i][0])
+        prefill_ms.append(round(whole * at_mean, 3))
+        prefill_draft_ms.append(round(min(draft * at_mean, prefill_ms[-1]), 3))
+        bar.update(1)
+    return LatencyGrid(batch_sizes=batch_sizes, ks=ks, resume_ms=resume_ms, prefill_tokens=round(mean_prompt),
+                       prefill_ms=prefill_ms, prefill_draft_ms=prefill_draft_ms,
+                       context_tokens=round(statistics.fmean(contexts)) if contexts else None, **cells)
+
+
+def measure_prefill(models: LoadedModels, prompts: list[list[int]], reps: int, decode_ms: float,
+                    decode_draft_ms: float) -> tuple[float, float]:
+    """Median milliseconds to admit `prompts` together, and the draft's part of it: a fresh engine's
+    first step (prefill on both workers, then one k = 0 decode step) less that k = 0 step's measured
+    cost `decode_ms` (of which `decode_draft_ms` is the draft's)."""
+    whole, draft = [], []
+    for _ in range(max(3, reps // 2)):
+        engine = _engine(models, len(prompts), 1, max(sum(len(p) + 4 for p in prompts), 16))
+        seen: list[StepStats] = []
+        engine.on_step.append(seen.append)
+        for p in prompts:
+            engine.submit(p, SamplingParams(max_tokens=2, ignore_eos=True))
+        engine.step()
+        st = seen[-1]
+        whole.append(max((st.draft_s + st.verify_s + st.other_s) * 1000 - decode_ms, 0.0))
+        draft.append(max(st.draft_s * 1000 - decode_draft_ms, 0.0))
+        engine.run(list(engine.running))  # finish them (one more step)
+    return statistics.median(whole), statistics.median(draft)
+
 
 
 def measure_acceptance(models: LoadedModels, k: int, num_prompts: int, max_tokens: int, bar: tqdm) -> list[float]:
@@ -123,7 +161,7 @@ def run_profile(mc: ModelConfig, out: str | None, batch_sizes: list[int], max_k:
     out_path = Path(out or f"profiles/{gpu_type}.json")
     ks = list(range(max_k + 1))
     torch.manual_seed(0)
-    total = len(batch_sizes) * (reps + 1) * len(ks) + num_prompts
+    total = len(batch_sizes) * ((reps + 1) * len(ks) + 1) + num_prompts
     with tqdm(total=total, desc=f"profile {gpu_type}", unit="cell") as bar:
         grid = measure_latency(models, batch_sizes, ks, reps, bar)
         acceptance = measure_acceptance(models, max_k, num_prompts, max_tokens, bar)
@@ -131,8 +169,9 @@ def run_profile(mc: ModelConfig, out: str | None, batch_sizes: list[int], max_k:
     profile = Profile(
         gpu_type=gpu_type, target=target, draft=draft, dtype=resolve_dtype(mc.dtype, mc.device), latency=grid, acceptance=acceptance,
         acceptance_rate=round(fit_acceptance_rate(acceptance), 4), best_k=best_k_table(grid, acceptance),
-        notes=(f"specserve profile: greedy; latency: {reps} rounds after a warm-up round, k visited in a shuffled "
-               "order, two steps per visit, the second recorded (median over rounds); torch threads "
+        notes=(f"specserve profile: greedy; latency: {reps} rounds after a warm-up round, fresh requests each round "
+               f"(mean context {grid.context_tokens} tokens), k visited in a shuffled order, two steps per visit, "
+               "the second recorded (median over rounds); torch threads "
                f"{torch.get_num_threads()}, device {mc.device}; acceptance at k={max_k} over {num_prompts} "
                f"PROFILE_PROMPTS x {max_tokens} tokens"),
     )
@@ -169,7 +208,7 @@ def plot_profile(profile: Profile, path: str | Path) -> None:
     ax.set_title("latency per generated token (ms); red box = best k")
     fig.colorbar(im, ax=ax, label="ms per token")
     acc = profile.acceptance or []
-    ax2.bar(range(len(acc)), acc, color="tab:blue", label="measured")
+    ax2.bar(range(len(acc)), acc, color="tab:blue", label="measured" if profile.source == "measured" else "assumed")
     a = profile.acceptance_rate or 0.0
     ax2.plot(range(len(acc)), [a ** (i + 1) for i in range(len(acc))], "o-", color="tab:orange",
              label=f"model a^(i+1), a={a:.2f}")
@@ -179,7 +218,8 @@ def plot_profile(profile: Profile, path: str | Path) -> None:
     ax2.set_ylabel("P(draft token i accepted)")
     ax2.set_title(f"acceptance; E[tokens/step] at k={len(acc)}: {1 + sum(acc):.2f}")
     ax2.legend(fontsize=8)
-    fig.suptitle(f"{profile.gpu_type}: target {profile.target}, draft {profile.draft} ({profile.dtype}, {profile.created[:10]})")
+    kind = "\nPREDICTED by the roofline model (serve_app/roofline.py), not measured" if profile.source == "predicted" else ""
+    fig.suptitle(f"{profile.gpu_type}: target {profile.target}, draft {profile.draft} ({profile.dtype}, {profile.created[:10]}){kind}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -19,6 +19,7 @@ import os
 import re
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -41,6 +42,17 @@ class LatencyGrid(BaseModel):
     resume_ms: list[float] | None = None
     """resume_ms[i]: extra draft time of the first speculating step after steps at k = 0 (the draft
     feeds the tokens it skipped), over the steady-state cell; a switch cost, not part of the cells."""
+    prefill_ms: list[float] | None = None
+    """prefill_ms[i]: admitting batch_sizes[i] new requests of `prefill_tokens` prompt tokens each (the
+    target's forward over the prompts, the draft's prefill and first commit), over the k = 0 step the
+    same engine step also runs. Prefill is priced per prompt token, so simulators scale it by length."""
+    prefill_tokens: int | None = Field(None, ge=1)
+    """Mean prompt length, in tokens, of the requests `prefill_ms` admitted."""
+    context_tokens: int | None = Field(None, ge=1)
+    """Mean context (prompt + generated tokens) of the sequences in the recorded steps: step time
+    grows with it, since attention reads every earlier token."""
+    prefill_draft_ms: list[float] | None = None
+    """prefill_draft_ms[i]: the draft's part of prefill_ms[i] (what an engine without a draft saves)."""
 
     @model_validator(mode="after")
     def _shape(self) -> "LatencyGrid":
@@ -51,6 +63,11 @@ class LatencyGrid(BaseModel):
             raise ValueError("ks must start at 0 (plain decoding is the baseline every k is compared with)")
         if self.resume_ms is not None and (len(self.resume_ms) != len(self.batch_sizes) or min(self.resume_ms) < 0):
             raise ValueError(f"resume_ms needs one latency >= 0 per batch size {self.batch_sizes}")
+        if self.prefill_ms is not None and (len(self.prefill_ms) != len(self.batch_sizes) or min(self.prefill_ms) < 0
+                                            or self.prefill_tokens is None):
+            raise ValueError(f"prefill_ms needs one latency >= 0 per batch size {self.batch_sizes}, and prefill_tokens")
+        if self.prefill_draft_ms is not None and (self.prefill_ms is None or len(self.prefill_draft_ms) != len(self.prefill_ms)):
+            raise ValueError("prefill_draft_ms needs prefill_ms and one latency per batch size")
         for name in ("draft_ms", "verify_ms", "other_ms"):
             rows = getattr(self, name)
             if len(rows) != len(self.batch_sizes):
@@ -65,17 +82,74 @@ class LatencyGrid(BaseModel):
         """[batch size][k] whole-step latency: draft + verification + the rest."""
         return [[d + v + o for d, v, o in zip(*r)] for r in zip(self.draft_ms, self.verify_ms, self.other_ms)]
 
+    def prefill_at(self, batch_size: int, prompt_tokens: int, draft: bool = True) -> float | None:
+        """Milliseconds to admit `batch_size` requests with `prompt_tokens` prompt tokens in all (linear
+        between measured batch sizes, scaled by prompt tokens), less the draft's part when there is no
+        draft; None without a measured prefill."""
+        if self.prefill_ms is None or self.prefill_tokens is None:
+            return None
+        ms = self.prefill_ms if draft or not self.prefill_draft_ms else \
+            [max(t - d, 0.0) for t, d in zip(self.prefill_ms, self.prefill_draft_ms)]
+        per_token = [m / (b * self.prefill_tokens) for b, m in zip(self.batch_sizes, ms)]
+        return _interpolate(self.batch_sizes, per_token, batch_size) * prompt_tokens
+
     def step_ms(self, batch_size: int) -> list[float]:
         """Step latency per k at any batch size: linear between measured sizes, extended beyond them."""
-        rows, sizes = self.total_ms(), self.batch_sizes
-        if len(sizes) == 1:
-            return rows[0]
-        i = next((i for i, s in enumerate(sizes[1:], 1) if batch_size <= s), len(sizes) - 1)
-        (b0, r0), (b1, r1) = (sizes[i - 1], rows[i - 1]), (sizes[i], rows[i])
-        w = (batch_size - b0) / (b1 - b0)
-        if batch_size < b0:  # below the smallest size: flat (latency does not shrink below batch 1)
-            w = 0.0
-        return [max(x0 + w * (x1 - x0), 1e-3) for x0, x1 in zip(r0, r1)]
+        rows = self.total_ms()
+        i0, i1, w = _between(self.batch_sizes, batch_size)
+        return [max(x0 + w * (x1 - x0), 1e-3) for x0, x1 in zip(rows[i0], rows[i1])]
+
+    def resume_at(self, batch_size: int) -> float:
+        """Extra milliseconds of a step that resumes speculation after k = 0 (0 when not measured)."""
+        return _interpolate(self.batch_sizes, self.resume_ms, batch_size) if self.resume_ms else 0.0
+
+
+def _between(sizes: list[int], x: float) -> tuple[int, int, float]:
+    """(i0, i1, w): x lies w of the way from sizes[i0] to sizes[i1] - linear between measured sizes,
+    extended beyond the largest, flat below the smallest (latency does not shrink below batch 1)."""
+    if len(sizes) == 1:
+        return 0, 0, 0.0
+    i = next((i for i, s in enumerate(sizes[1:], 1) if x <= s), len(sizes) - 1)
+    return i - 1, i, max(0.0, (x - sizes[i - 1]) / (sizes[i] - sizes[i - 1]))
+
+
+def _interpolate(sizes: list[int], values: list[float], x: float) -> float:
+    i0, i1, w = _between(sizes, x)
+    return max(values[i0] + w * (values[i1] - values[i0]), 0.0)
+
+
+class Prediction(BaseModel):
+    """How a predicted profile was made (`serve_app/roofline.py`): the inputs, so a reader can judge it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hardware: str
+    """The hardware spec the roofline model used (a `roofline.GPUS` name, or this CPU as measured)."""
+    hardware_source: str
+    """Where the hardware figures come from (the vendor datasheet, or a measurement here)."""
+    memory_gb_s: float = Field(gt=0)
+    """Memory bandwidth from the spec, GB/s (before `memory_efficiency`)."""
+    tflops: float = Field(gt=0)
+    """Peak dense compute for the profile's dtype from the spec, TFLOP/s (before `compute_efficiency`)."""
+    memory_efficiency: float = Field(gt=0, le=1)
+    """Share of the spec's bandwidth a forward is assumed to reach."""
+    compute_efficiency: float = Field(gt=0, le=1)
+    """Share of the spec's peak compute a forward's matmuls are assumed to reach."""
+    overlap_exponent: float | None = Field(None, ge=1)
+    """p joining a forward's memory and compute time, (t_mem^p + t_compute^p)^(1/p): an assumption
+    (`roofline.Overheads`). Absent in profiles predicted before it existed: those used the sharp max."""
+    forward_base_ms: float = Field(ge=0)
+    """Fixed cost of every forward besides bytes and FLOPs (the engine's per-forward host work)."""
+    forward_per_layer_ms: float = Field(ge=0)
+    """Cost per decoder layer of every forward besides bytes and FLOPs (eager kernel launches)."""
+    step_ms: float = Field(ge=0)
+    """`other_ms` of a step: fixed part (acceptance, bookkeeping)."""
+    step_per_seq_ms: float = Field(ge=0)
+    """`other_ms` of a step: part per sequence in the batch (detokenizing, streaming)."""
+    context_tokens: int = Field(ge=0)
+    """Tokens already in each sequence's KV cache, assumed for every cell (the KV read per forward)."""
+    acceptance_from: str
+    """Where `acceptance` comes from: a measured profile of the same pair, or an assumed rate."""
 
 
 class Profile(BaseModel):
@@ -103,6 +177,11 @@ class Profile(BaseModel):
     """Per-token acceptance a of the goodput model fitted to `acceptance` (adaptive's starting estimate)."""
     notes: str = ""
     """How it was measured (prompt set, repetitions, machine), free text."""
+    source: Literal["measured", "predicted"] = "measured"
+    """`measured` by `specserve profile` on the hardware itself, or `predicted` by the roofline model
+    (`specserve profile --predict`) for hardware we cannot reach; a measured one always wins."""
+    prediction: Prediction | None = None
+    """For a predicted profile: the model's inputs (hardware figures, overheads, context, acceptance)."""
 
     @field_validator("best_k")
     @classmethod
@@ -119,6 +198,8 @@ class Profile(BaseModel):
                 raise ValueError(f"best_k lacks batch sizes {missing} that the latency grid measured")
         if self.acceptance is not None and any(not 0 <= a <= 1 for a in self.acceptance):
             raise ValueError("acceptance values must lie in [0, 1]")
+        if (self.source == "predicted") != (self.prediction is not None):
+            raise ValueError("a predicted profile needs `prediction` (how it was made); a measured one has none")
         return self
 
     def check_pair(self, target: str, draft: str, dtype: str) -> None:
@@ -166,20 +247,28 @@ def best_k_table(grid: LatencyGrid, acceptance: list[float]) -> dict[int, int]:
 
 
 def detect_gpu_type() -> str:
-    """`NVIDIA_H100`-style name of the first CUDA device, else `cpu-<N>core`.
-
-    Only the vendor and model words are kept (`NVIDIA A100-SXM4-80GB` -> `NVIDIA_A100`) so one
-    profile serves every memory variant; CPUs include the core count since speed scales with it.
-    """
+    """`NVIDIA_H100`-style name of the first CUDA device (`gpu_type_name`), else `cpu-<N>core`."""
     try:
         import torch
 
         if torch.cuda.is_available():
-            words = re.split(r"[\s-]+", torch.cuda.get_device_name(0))
-            return "_".join(words[:2])
+            return gpu_type_name(torch.cuda.get_device_name(0))
     except Exception:  # no usable CUDA: profile as CPU
         pass
     return f"cpu-{os.cpu_count()}core"
+
+
+def gpu_type_name(device_name: str) -> str:
+    """The hardware type of a CUDA device name: its words up to the first one with a digit in it.
+
+    So memory and form-factor variants share one profile (`NVIDIA A100-SXM4-80GB` -> `NVIDIA_A100`,
+    `NVIDIA H100 80GB HBM3` -> `NVIDIA_H100`), while brand words stay in and the model number with
+    them (`NVIDIA GeForce RTX 4090` -> `NVIDIA_GeForce_RTX_4090`, not a `NVIDIA_GeForce` every
+    GeForce card would share). CPUs are named `cpu-<cores>core` since their speed scales with cores.
+    """
+    words = [w for w in re.split(r"[\s-]+", device_name) if w]
+    n = next((i + 1 for i, w in enumerate(words) if any(c.isdigit() for c in w)), min(len(words), 2))
+    return "_".join(words[:n])
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -198,10 +287,18 @@ def save_profile(profile: Profile, path: str | Path) -> None:
     Path(path).write_text(profile.model_dump_json(indent=1) + "\n")
 
 
+def replaces(held: Profile | None, new: Profile) -> bool:
+    """Whether `new` may take `held`'s place for its hardware type: a measured profile always may, a
+    predicted one only where no measured one is held (a model never overrides a measurement)."""
+    return held is None or new.source == "measured" or held.source == "predicted"
+
+
 def load_profiles(directory: str | Path) -> dict[str, Profile]:
-    """Every profiles/*.json, keyed by gpu_type; a malformed file is an error, not skipped."""
+    """Every profiles/*.json, keyed by gpu_type; a malformed file is an error, not skipped. Where two
+    files name one hardware type, a measured profile beats a predicted one, else the later file wins."""
     out: dict[str, Profile] = {}
     for path in sorted(Path(directory).glob("*.json")):
         prof = load_profile(path)
-        out[prof.gpu_type] = prof
+        if replaces(out.get(prof.gpu_type), prof):
+            out[prof.gpu_type] = prof
     return out

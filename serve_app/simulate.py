@@ -5,12 +5,13 @@ What is modelled, and how:
 - Arrivals: closed-loop users following a load shape's user count over time (each user sends its
   next request when the last one finished), or an open-loop trace of (arrival time, prompt tokens,
   output tokens).
-- Routing: the ingress's rule. The engine group with the fewest requests in flight, then that
-  group's replica with the fewest.
+- Routing: the ingress's rule. The engine group with the fewest requests in flight per replica, then
+  that group's replica with the fewest (or, `group-total`, the group with the fewest in all).
 - Each replica: the engine's continuous batching (max batch size, KV budget, FIFO admission). A
   step's time comes from its hardware's latency grid at the current batch size and k (linear
-  between measured batch sizes). A step that admits requests adds one plain target forward for
-  their prefill. Each sequence gets 1 + accepted tokens, with acceptance drawn position by position
+  between measured batch sizes), plus the switch cost when it resumes speculating after k = 0. A
+  step that admits requests adds their prefill: the profile's measured prefill per prompt token
+  at that many admissions (one plain forward in profiles without one). Each sequence gets 1 + accepted tokens, with acceptance drawn position by position
   from the profile's per-position acceptance (extended by its per-token rate past the measured k).
 - k: the real policy objects (`serve_app/policy.py`), told each step's statistics as in the engine.
 """
@@ -58,6 +59,7 @@ class Replica:
     waiting: deque = field(default_factory=deque)
     running: list = field(default_factory=list)
     busy: bool = False
+    last_k: int | None = None  # k of the last decode step (None: none yet)
     steps: list = field(default_factory=list)  # (time, batch size, k) of every step
 
     @property
@@ -75,8 +77,9 @@ class Replica:
             admitted.append(job)
         grid = self.profile.latency
         duration = 0.0
-        if admitted:  # one plain target forward prefills them and gives their first token
-            duration += grid.step_ms(len(self.running) + len(admitted))[0] / 1000
+        if admitted:  # their prefill gives their first token (priced per prompt token when measured)
+            prefill = grid.prefill_at(len(admitted), sum(j.prompt_tokens for j in admitted), self.policy.name != "none")
+            duration += (grid.step_ms(len(admitted))[0] if prefill is None else prefill) / 1000
             for j in admitted:
                 j.generated, j.first_token = 1, now + duration
         self.running += admitted  # as in Engine.step: the admitted join this step's decode too
@@ -86,6 +89,9 @@ class Replica:
             k = self.policy.choose(BatchState(len(decoding), self.max_k, True))
             k = max((x for x in grid.ks if x <= k), default=0)  # the grid's nearest measured k at or below
             duration += grid.step_ms(len(decoding))[grid.ks.index(k)] / 1000
+            if k and self.last_k == 0:  # resuming speculation: the draft feeds the tokens it skipped
+                duration += grid.resume_at(len(decoding)) / 1000
+            self.last_k = k
             st.batch_size, st.k, st.proposed = len(decoding), k, k * len(decoding)
             st.accepted_per_position = [0] * k
             for j in decoding:
@@ -140,19 +146,49 @@ class SimResult:
                    for q in (0.5, 0.9, 0.99)},
                 "goodput_tokens_per_s": sum(j.output_tokens for j in done) / span if span > 0 else float("nan")}
 
+    @property
+    def steps(self) -> int:
+        return sum(len(r.steps) for r in self.replicas)
+
+    def by_hardware(self) -> dict[str, dict]:
+        out: dict[str, list[float]] = {}
+        for j in self.jobs:
+            if j.replica is not None and j.done is not None:
+                out.setdefault(j.replica.group, []).append(j.done - j.arrival)
+        return {g: {"requests": len(v), "mean_latency_s": sum(v) / len(v)} for g, v in out.items()}
+
+    def series(self) -> dict[str, tuple[list[int], list[float], list[float]]]:
+        """Per hardware type: (second, mean batch size, mean k) over that second's decode steps."""
+        bins: dict[str, dict[int, list[tuple[int, int]]]] = {}
+        for r in self.replicas:
+            for t, b, k in r.steps:
+                if b:
+                    bins.setdefault(r.group, {}).setdefault(int(t), []).append((b, k))
+        return {g: (sorted(x), [sum(b for b, _ in x[i]) / len(x[i]) for i in sorted(x)],
+                    [sum(k for _, k in x[i]) / len(x[i]) for i in sorted(x)]) for g, x in bins.items()}
+
 
 def simulate(fleet: dict[str, int], profiles: dict[str, Profile], policy: str, *, users_at=None, duration_s: float = 60.0,
-             trace: list[tuple[float, int, int]] | None = None, prompt_tokens: int = 64, output_tokens: int = 64,
-             max_batch: int = 8, kv_budget: int = 65536, max_k: int = 8, seed: int = 0) -> SimResult:
+             trace: list[tuple[float, int, int]] | None = None, prompt_tokens: "int | tuple[int, int]" = 64,
+             output_tokens: "int | tuple[int, int]" = 64,
+             max_batch: int = 8, kv_budget: int = 65536, max_k: int = 8, seed: int = 0,
+             route: str = "least-loaded") -> SimResult:
     """Simulate `fleet` ({hardware type: replicas}) under closed-loop users (`users_at(t)`, re-read
-    every second of simulated time, for `duration_s`) or an open-loop `trace`. Every request has
-    `prompt_tokens` / `output_tokens` unless the trace says otherwise."""
+    every second of simulated time, for `duration_s`) or an open-loop `trace`. Closed-loop requests
+    have `prompt_tokens` / `output_tokens` tokens: a count, or (low, high) drawn uniformly per request."""
     if (users_at is None) == (trace is None):
         raise ValueError("give exactly one of users_at (closed loop) or trace (open loop)")
+    if route not in ("least-loaded", "group-total"):
+        raise ValueError(f"unknown route {route!r}: expected least-loaded or group-total")
     missing = [t for t in fleet if t not in profiles or profiles[t].latency is None]
     if missing:
         raise ValueError(f"no profile with a latency grid for hardware types {missing}")
     rng = random.Random(seed)
+    lengths = random.Random(seed + 1)
+
+    def draw(tokens) -> int:  # a fixed count, or (low, high): uniform, inclusive
+        return tokens if isinstance(tokens, int) else lengths.randint(*tokens)
+
     replicas = [Replica(i, gpu, profiles[gpu], make_policy(policy, profiles[gpu]), max_batch, kv_budget, max_k,
                         random.Random(rng.random()))
                 for i, (gpu, n) in enumerate((g, n) for g, count in fleet.items() for n in range(count))]
@@ -179,7 +215,7 @@ def simulate(fleet: dict[str, int], profiles: dict[str, Profile], policy: str, *
             for u in range(want):
                 if u not in active_users:
                     active_users.add(u)
-                    arrive(now, prompt_tokens, output_tokens, u)
+                    arrive(now, draw(prompt_tokens), draw(output_tokens), u)
             for u in [u for u in active_users if u >= want]:
                 active_users.discard(u)
             if now + 1.0 < duration_s:
@@ -190,8 +226,11 @@ def simulate(fleet: dict[str, int], profiles: dict[str, Profile], policy: str, *
             by_group: dict[str, list[Replica]] = {}
             for r in replicas:
                 by_group.setdefault(r.group, []).append(r)
-            group = min(by_group.values(), key=lambda rs: sum(r.in_flight for r in rs))
-            r = min(group, key=lambda r: r.in_flight)
+            if route == "group-total":  # the group with the fewest in flight, whatever its size
+                group = min(by_group.values(), key=lambda rs: sum(r.in_flight for r in rs))
+            else:  # the ingress: the group with the fewest in flight per replica
+                group = min(by_group.values(), key=lambda rs: sum(r.in_flight for r in rs) / len(rs))
+            r = min(group, key=lambda r: r.in_flight)  # then its replica with the fewest
             item.replica = r
             r.waiting.append(item)
             if not r.busy:
@@ -201,7 +240,7 @@ def simulate(fleet: dict[str, int], profiles: dict[str, Profile], policy: str, *
             took, finished = item.step(now)
             for j in finished:
                 if j.user is not None and j.user in active_users:
-                    arrive(j.done, j.prompt_tokens, j.output_tokens, j.user)
+                    arrive(j.done, draw(prompt_tokens), draw(output_tokens), j.user)
             if item.in_flight:
                 heapq.heappush(events, (now + took, next(order), "step", item))
             else:
@@ -233,33 +272,44 @@ def read_trace(path: str) -> list[tuple[float, int, int]]:
 
 
 def run_simulations(fleet: dict[str, int], profiles: dict[str, Profile], policies: list[str], out_dir: str,
-                    **kwargs) -> tuple[dict, str]:
+                    engine: str = "auto", **kwargs) -> tuple[dict, str]:
     """Every policy on the same fleet and arrivals (same seed); writes out_dir/{results.json, summary.md,
-    k_batch.png}. Returns (results, markdown)."""
+    k_batch.png}. `engine`: step (every engine step an event), fleet (vectorised ticks, `fleetsim.py`)
+    or auto (fleet above 32 replicas). Returns (results, markdown)."""
     import json
     import os
     import time
 
     from tqdm import tqdm
 
+    from .bench.rounds import provenance
+    from .fleetsim import simulate_fleet
+
+    if engine == "auto":
+        engine = "fleet" if sum(fleet.values()) > 32 else "step"
+    if engine not in ("step", "fleet"):
+        raise ValueError(f"unknown engine {engine!r}: expected auto, step or fleet")
+    tick_s = kwargs.pop("tick_s", 0.1)
+    route = kwargs.pop("route", "least-loaded")
     os.makedirs(out_dir, exist_ok=True)
     results, runs = {}, {}
-    for policy in tqdm(policies, desc="simulate", unit="policy"):
+    for policy in tqdm(policies, desc=f"simulate ({engine})", unit="policy"):
         t = time.perf_counter()
-        res = simulate(fleet, profiles, policy, **kwargs)
+        if engine == "fleet":
+            res = simulate_fleet(fleet, profiles, policy, tick_s=tick_s, route=route, **kwargs)
+        else:
+            res = simulate(fleet, profiles, policy, route=route, **kwargs)
         wall = time.perf_counter() - t
         s = res.summary()
         s["wall_s"] = round(wall, 2)
-        s["steps"] = sum(len(r.steps) for r in res.replicas)
-        s["by_hardware"] = {}
-        for gpu in fleet:
-            done = [j for j in res.jobs if j.replica is not None and j.replica.group == gpu and j.done is not None]
-            s["by_hardware"][gpu] = {"requests": len(done),
-                                     "mean_latency_s": sum(j.done - j.arrival for j in done) / len(done) if done else None}
+        s["steps"] = int(res.steps)
+        s["by_hardware"] = {g: res.by_hardware().get(g, {"requests": 0, "mean_latency_s": None}) for g in fleet}
         results[policy], runs[policy] = s, res
     _plot(runs, os.path.join(out_dir, "k_batch.png"))
     fleet_text = ", ".join(f"{n} x {g}" for g, n in fleet.items())
     lines = [f"# specserve simulate: {fleet_text}", "",
+             f"Engine: {engine}" + (f" (ticks of {tick_s} s)" if engine == "fleet" else " (every engine step)")
+             + f"; routing: {route}.", "",
              "| policy | requests | mean latency (s) | e2e p50 / p90 / p99 (s) | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) "
              "| goodput (tokens/s) | simulated steps | wall (s) |", "|---|---|---|---|---|---|---|---|---|"]
     for p, s in results.items():
@@ -267,42 +317,44 @@ def run_simulations(fleet: dict[str, int], profiles: dict[str, Profile], policie
                      f"{s['e2e_p99_s']:.2f} | {s['ttft_p50_s']:.3f} / {s['ttft_p99_s']:.3f} | "
                      f"{s['tpot_p50_s'] * 1000:.1f} / {s['tpot_p99_s'] * 1000:.1f} | {s['goodput_tokens_per_s']:.1f} | "
                      f"{s['steps']} | {s['wall_s']} |")
-    lines += ["", "Mean latency (s) per hardware type:", "", "| policy | " + " | ".join(fleet) + " |",
+    lines += ["", "Requests and mean latency (s) per hardware type:", "", "| policy | " + " | ".join(fleet) + " |",
               "|---|" + "---|" * len(fleet)]
     for p, s in results.items():
-        cells = [s["by_hardware"][g]["mean_latency_s"] for g in fleet]
-        lines.append(f"| {p} | " + " | ".join("-" if c is None else f"{c:.3f}" for c in cells) + " |")
+        cells = [s["by_hardware"][g] for g in fleet]
+        lines.append(f"| {p} | " + " | ".join("-" if not c["requests"] else f"{c['requests']} / {c['mean_latency_s']:.3f}"
+                                             for c in cells) + " |")
     lines += ["", "![k and batch size over time](k_batch.png)"]
     markdown = "\n".join(lines) + "\n"
+    prov = provenance()
+    markdown = f"<!-- written by {prov['command'] or 'run_simulations()'} on {prov['created']} -->\n" + markdown
     with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump({"fleet": fleet, "policies": results}, f, indent=1)
+        json.dump({"fleet": fleet, "engine": engine, "route": route, "policies": results, "provenance": prov}, f, indent=1)
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
         f.write(markdown)
     return results, markdown
 
 
-def _plot(runs: dict[str, SimResult], path: str) -> None:
-    """Mean k and mean batch size over all replicas, per 1 s of simulated time, one line per policy."""
+def _plot(runs: dict, path: str) -> None:
+    """Mean batch size and mean k of busy replicas per second, a colour per policy, a line style per
+    hardware type."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_b, ax_k) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    for policy, res in runs.items():
-        bins: dict[int, list[tuple[int, int]]] = {}
-        for r in res.replicas:
-            for t, b, k in r.steps:
-                if b:
-                    bins.setdefault(int(t), []).append((b, k))
-        xs = sorted(bins)
-        ax_b.plot(xs, [sum(b for b, _ in bins[x]) / len(bins[x]) for x in xs], label=policy)
-        ax_k.plot(xs, [sum(k for _, k in bins[x]) / len(bins[x]) for x in xs], label=policy)
-    ax_b.set(ylabel="mean batch size", title="simulated: batch size and k chosen, per second")
+    styles = ["-", "--", ":", "-."]
+    fig, (ax_b, ax_k) = plt.subplots(2, 1, figsize=(10, 7.5), sharex=True)
+    for c, (policy, res) in enumerate(runs.items()):
+        for i, (group, (xs, batch, ks)) in enumerate(sorted(res.series().items())):
+            label = policy if len(runs[policy].series()) == 1 else f"{policy} @ {group}"
+            kw = dict(color=f"C{c % 10}", linestyle=styles[i % len(styles)], linewidth=1.2)
+            ax_b.plot(xs, batch, label=label, **kw)
+            ax_k.plot(xs, ks, label=label, **kw)
+    ax_b.set(ylabel="mean batch size", title="simulated: batch size and k chosen, per second (busy replicas)")
     ax_k.set(ylabel="mean k", xlabel="simulated seconds")
     for ax in (ax_b, ax_k):
         ax.grid(alpha=0.3)
-    ax_k.legend(ncol=3, fontsize=8)
+    ax_k.legend(ncol=4, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2))  # below: the lines stay visible
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -234,7 +234,7 @@ def make_ingress(handle):
             pass
 
     ing = object.__new__(Ingress)
-    ing.routers, ing.in_flight = {"A": handle}, {"A": 0}
+    ing.routers, ing.in_flight, ing.replicas, ing.down, ing._watcher = {"A": handle}, {"A": 0}, {"A": 1}, set(), None
     ing.model_name, ing.max_tokens_limit, ing.max_stop_strings = "m", 100, 4
     ing.draining, ing.max_resubmits, ing.resubmit_wait_s = False, 2, 5.0
     return ing

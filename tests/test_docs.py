@@ -259,7 +259,7 @@ def test_figures_come_from_committed_results_written_by_the_benchmarks():
     for md in sorted(results):
         data = md.with_name("results.json") if md.name == "summary.md" else md.with_suffix(".json")
         command = json.loads(data.read_text())["provenance"]["command"]
-        assert command and command.startswith(("specserve bench", "specserve chaos")), (data, command)
+        assert command and command.startswith(("specserve bench", "specserve chaos", "specserve simulate")), (data, command)
         assert command in md.read_text(encoding="utf-8"), f"{md} does not say what wrote it"
 
 

@@ -267,6 +267,22 @@ def test_locust_records_ttft_tpot_tokens_and_the_report_against_a_fake_server(fa
         assert (out / f"paper{suffix}").exists(), suffix
 
 
+def test_distributed_run_master_and_workers(fake_server, tmp_path):
+    """--workers 2: a Locust master runs the shape and writes the CSVs, two worker processes run the
+    users; their TTFT/TPOT events reach the master's statistics."""
+    out = tmp_path / "dist"
+    r = run_loadtest(["--url", fake_server, "--metrics-url", "", "--shape", "step", "--duration", "8",
+                      "--max-tokens", "8", "--out", str(out), "--workers", "2", "--master-port", str(free_port())],
+                     timeout=150)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "master + 2 workers" in r.stdout
+    stats = {(row["Type"], row["Name"]): row for row in read_csv(out / "step_stats.csv")}
+    n = int(stats[("POST", "/v1/chat/completions")]["Request Count"])
+    assert n > 10 and int(stats[("POST", "/v1/chat/completions")]["Failure Count"]) == 0
+    assert int(stats[("TTFT", "/v1/chat/completions")]["Request Count"]) == n
+    assert (out / "step_report.png").exists()
+
+
 def test_non_streaming_requests_record_tpot_but_no_ttft(fake_server, tmp_path):
     out = tmp_path / "lt"
     r = run_loadtest(["--url", fake_server, "--metrics-url", "", "--shape", "step", "--duration", "4",

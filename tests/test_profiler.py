@@ -51,14 +51,18 @@ def test_latency_visits_every_k_per_round_in_a_shuffled_order_two_steps_each(tin
     monkeypatch.setattr(profiler, "FixedK", record)
     models = load_models(ModelConfig(target=tiny_model_dirs["target"], draft=tiny_model_dirs["draft"]))
     grid = profiler.measure_latency(models, [2], [0, 1, 2, 3], reps=4, bar=profiler.tqdm(disable=True))
-    assert chosen[0] == 0  # the engine's own policy for the prefill step
-    visits = chosen[1:]
-    rounds = [visits[i:i + 4] for i in range(0, len(visits), 4)]
-    assert len(rounds) == 5  # warm-up round + 4 recorded
+    assert chosen[0] == 0  # the engine's own policy
+    assert chosen[-3:] == [0, 0, 0]  # the prefill measurement's engines (k = 0)
+    per_round = [chosen[1:-3][i:i + 5] for i in range(0, len(chosen) - 4, 5)]
+    assert len(per_round) == 5 and all(r[0] == 0 for r in per_round)  # warm-up + 4 recorded; each prefills fresh requests at k = 0
+    rounds = [r[1:] for r in per_round]
     assert all(sorted(r) == [0, 1, 2, 3] for r in rounds)  # every k once per round
     assert len({tuple(r) for r in rounds}) > 1  # not the same order every round
     assert any(r[0] != 0 for r in rounds)  # k = 1 does not always follow k = 0
     assert grid.resume_ms is not None and len(grid.resume_ms) == 1 and grid.resume_ms[0] >= 0
+    assert grid.context_tokens is not None and grid.context_tokens < 60  # fresh requests each round: short contexts
+    assert grid.prefill_ms is not None and len(grid.prefill_ms) == 1 and grid.prefill_ms[0] >= 0
+    assert grid.prefill_tokens and grid.prefill_at(2, 2 * grid.prefill_tokens) == grid.prefill_ms[0]
 
 
 def speculating_profile(tiny_profile, path, **changes):

@@ -1,7 +1,9 @@
 """The Ray Serve deployment on a real local Ray cluster, driven by the real openai client and httpx.
 
-One Ray + Serve session for the module: two engine groups ("A", "B") pinned to custom resources
-that stand in for two GPU types, each with its own profile (k table). Tiny float64 models.
+One Ray + Serve session for the module, on a real multi-node Ray cluster: a head node (Serve's
+controller, proxy and the ingress) and one worker node per engine group ("A", "B"), each node
+advertising its accelerator type as Ray does for GPUs; each group has its own profile (k table).
+Tiny float64 models. The module's last test removes node B under load.
 """
 
 import json
@@ -16,6 +18,7 @@ import pytest
 import ray
 from openai import APIError, OpenAI
 from ray import serve
+from ray.cluster_utils import Cluster
 
 from conftest import save_serving_pair
 from serve_app.cli import main as cli_main
@@ -50,18 +53,27 @@ def service(tmp_path_factory):
     (root / "profiles").mkdir()
     write_profile(root / "profiles" / "A.json", "A", 1)
     write_profile(root / "profiles" / "B.json", "B", 3)
-    http_port, metrics_port = free_port(), free_port()
+    http_port, metrics_ports = free_port(), [free_port() for _ in range(3)]
     model_cfg = {"target": str(root / "target"), "draft": str(root / "draft"), "dtype": "float64"}
     cfg = {
         "model": model_cfg,
         "engine": {"policy": "lut", "max_batch_size": 8, "max_model_len": 96},
-        "groups": [{"name": g, "gpu_type": g, "resources": {f"gpu_{g}": 1}, "torch_threads": 1} for g in "AB"],
+        "groups": [{"name": g, "gpu_type": g, "accelerator_type": g, "resources": {f"gpu_{g}": 1}, "torch_threads": 1}
+                   for g in "AB"],
+        "ingress_resources": {"head": 0.001},
         "served_model_name": MODEL, "profiles_dir": str(root / "profiles"), "max_tokens_limit": 128,
         "profile_poll_s": 0.5, "health_check_period_s": 1,
     }
-    ray.init(num_cpus=16, resources={"gpu_A": 4, "gpu_B": 4}, include_dashboard=False,
-             _metrics_export_port=metrics_port, logging_level="ERROR", log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    # A head node and one worker node per "GPU type", each advertising it the way Ray does for real
+    # GPUs (accelerator_type:<type>) and with 4 units of a stand-in GPU resource.
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 8, "resources": {"head": 1}, "include_dashboard": False, "metrics_export_port": metrics_ports[0]})
+    def add_node(g: str, port: int):
+        return cluster.add_node(num_cpus=4, resources={f"gpu_{g}": 4, f"accelerator_type:{g}": 1}, metrics_export_port=port)
+
+    nodes = {g: add_node(g, port) for g, port in zip("AB", metrics_ports[1:])}
+    ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": http_port})
     from deployments.app import build_app
     from deployments.ingress import OpenAIIngress
 
@@ -71,10 +83,17 @@ def service(tmp_path_factory):
     ).bind([serve.get_deployment_handle("Router-A", "specserve")], ["A"], model_cfg["target"], MODEL, 128, 4)
     serve.run(secured, name="secured", route_prefix="/secured")
     url = f"http://127.0.0.1:{http_port}"
-    yield {"url": url, "root": root, "model": model_cfg, "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
+    yield {"url": url, "root": root, "model": model_cfg, "cluster": cluster, "nodes": nodes, "add_node": add_node,
+           "metrics": [f"http://127.0.0.1:{port}/metrics" for port in metrics_ports],
            "client": OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)}
     serve.shutdown()
     ray.shutdown()
+    cluster.shutdown()
+
+
+def scrape(service) -> str:
+    """Every node's Ray metrics: each Router exports from the node it runs on."""
+    return "\n".join(httpx.get(url).text for url in service["metrics"])
 
 
 def router(group):
@@ -155,7 +174,7 @@ def test_metrics_are_exported_with_gpu_type_labels(service):
     # Ray's metrics agent exports on its own schedule; on a loaded 2-core machine once took over 60 s.
     deadline, text = time.time() + 150, ""
     while time.time() < deadline:
-        text = httpx.get(service["metrics"]).text
+        text = scrape(service)
         # Each group's router exports on its own schedule: wait for both, not just the first.
         if "specserve_accepted_tokens" in text and all(gauge(text, "batch_size", g) for g in "AB"):
             break
@@ -339,7 +358,7 @@ def test_adaptive_policy_live_estimate_in_stats_and_metrics(service, tmp_path):
         # The exported gauge for group A reaches exactly that estimate (A takes no other traffic now).
         deadline, values = time.time() + 90, []
         while time.time() < deadline:
-            values = gauge(httpx.get(service["metrics"]).text, "acceptance_estimate", "A")
+            values = gauge(scrape(service), "acceptance_estimate", "A")
             if values and all(v == pytest.approx(estimate, rel=1e-9) for v in values):
                 break
             time.sleep(2)
@@ -631,6 +650,8 @@ def test_metrics_on_the_api_port_with_vllm_names(service):
     per_pos = sum(by("vllm:spec_decode_num_accepted_tokens_per_pos_total"))
     assert per_pos == sum(by("vllm:spec_decode_num_accepted_tokens_total"))
     assert {lab["gpu_type"] for n, lab, _ in samples if n == "specserve_batch_size"} == {"A", "B"}
+    info = {(lab["gpu_type"], lab["source"]): v for n, lab, v in samples if n == "specserve_profile_info"}
+    assert info[("A", "measured")] == info[("B", "measured")] == 1.0 and info[("A", "predicted")] == 0.0
 
 
 def test_fuzzed_bodies_never_get_a_5xx(service):
@@ -668,3 +689,62 @@ def test_fuzzed_bodies_never_get_a_5xx(service):
 
     check()
     assert httpx.get(f"{service['url']}/readyz", timeout=30).status_code == 200  # and it still serves
+
+
+def test_losing_a_node_moves_its_groups_traffic_to_the_other_group(service):
+    """Last in the module (it takes node B away). Clients keep sending greedy requests while node B,
+    with group B's Router and workers, is removed from the cluster: every request ends (none hangs),
+    every answer is the text the target alone gives, requests from then on are served by group A,
+    and readiness holds with B marked down."""
+    c, cluster = service["client"], service["cluster"]
+    expected = {p: c.completions.create(model=MODEL, prompt=p, max_tokens=40, temperature=0).choices[0].text
+                for p in PROMPTS}
+    steps = lambda g: sum(stats(g)["k_steps"].values())  # noqa: E731
+    steps_a, steps_b = steps("A"), steps("B")
+    outcomes, stop = [], time.time() + 40
+
+    def user(i):
+        n = 0
+        while time.time() < stop:
+            p = PROMPTS[(i + n) % 3]
+            t0 = time.time()
+            try:
+                r = c.completions.create(model=MODEL, prompt=p, max_tokens=40, temperature=0, timeout=90)
+                outcomes.append((t0, time.time(), p, r.choices[0].text))
+            except APIError as e:
+                outcomes.append((t0, time.time(), p, e))
+            n += 1
+
+    with ThreadPoolExecutor(4) as pool:
+        users = [pool.submit(user, i) for i in range(4)]
+        time.sleep(4)  # traffic on both groups
+        assert steps("B") > steps_b  # B took its share
+        removed = time.time()
+        cluster.remove_node(service["nodes"]["B"], allow_graceful=False)
+        for u in users:
+            u.result(timeout=200)
+    slowest = max(end - start for start, end, _, _ in outcomes)
+    print(f"node loss: {len(outcomes)} requests, slowest {slowest:.1f} s, "
+          f"{sum(isinstance(o[3], Exception) for o in outcomes)} failed")
+    assert slowest < 60, "a request hung"
+    errors = [o for o in outcomes if isinstance(o[3], Exception)]
+    # at most the requests caught on B that ran out of resubmits fail, with a clean 503, never a hang
+    assert len(errors) <= 4 and all(e.status_code == 503 for *_, e in errors), errors
+    assert all(text == expected[p] for _, _, p, text in outcomes if not isinstance(text, Exception))
+    later = [o for o in outcomes if o[0] > removed + 15]
+    assert later and not any(isinstance(o[3], Exception) for o in later)  # from then on, A serves them all
+    assert steps("A") > steps_a
+    r = httpx.get(f"{service['url']}/readyz", timeout=30)
+    assert r.status_code == 200 and r.json()["groups"]["B"]["down"] is True, r.text
+    # A node of type B joins again: Serve starts group B's Router there, the ingress marks B up, and
+    # B takes its share again.
+    service["nodes"]["B"] = service["add_node"]("B", free_port())
+    deadline = time.time() + 120
+    while time.time() < deadline and not httpx.get(f"{service['url']}/readyz", timeout=30).json()["groups"]["B"]["ready"]:
+        time.sleep(1)
+    time.sleep(5)  # the ingress's next pings mark it up
+    before = steps("B")
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: c.completions.create(model=MODEL, prompt=PROMPTS[i % 3], max_tokens=20, temperature=0),
+                      range(12)))
+    assert steps("B") > before

@@ -62,6 +62,8 @@ class Result:
     """Time spent in engine steps (draft + verify + other)."""
     per_request: list[tuple[int, int]] = field(default_factory=list)
     """(proposed, accepted) of every request, in job order."""
+    outputs: list[int] = field(default_factory=list)
+    """Tokens generated for every request, in job order."""
 
     @property
     def mean_latency(self) -> float:
@@ -130,6 +132,7 @@ def _run(models: LoadedModels, profile: Profile | None, policy: str, jobs: list[
     res.latencies = [r.stats.total_s - (0.0 if open_loop else r.stats.queue_s) for r in reqs]
     res.tokens = sum(r.stats.generated_tokens for r in reqs)
     res.per_request = [(r.stats.proposed, r.stats.accepted) for r in reqs]
+    res.outputs = [r.stats.generated_tokens for r in reqs]
     res.choose_s = timed.seconds
     return res
 

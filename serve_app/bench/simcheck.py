@@ -1,0 +1,97 @@
+"""`specserve simulate --validate`: the simulator against the real engine, on the same schedule.
+
+The schedule is `bench policies` (b): seeded Poisson arrivals swinging between low and high load,
+replayed in real time, every policy in turn (interleaved rounds, as in the bench). The simulator then
+replays the same arrivals (time, prompt tokens, tokens the real run generated - greedy, so the same
+for every policy) on one replica of this hardware type, from the committed profile alone, averaged
+over `sim_seeds` acceptance draws. Passing means: every policy's simulated mean latency within
+`tolerance` of the measured one, and the same order of policies wherever the real run tells them
+apart by more than `tie`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..models import LoadedModels
+from ..profiles import Profile
+from ..simulate import simulate
+from .policies import Job, _run, varying_jobs
+from .rounds import provenance
+
+
+def discordant_pairs(real: dict[str, float], sim: dict[str, float], tie: float) -> list[tuple[str, str]]:
+    """Pairs (a, b) the real run orders a < b by more than `tie` (relative) but the simulation
+    orders b <= a. Pairs within `tie` in the real run are a measured tie: either order is right."""
+    out = []
+    for a in real:
+        for b in real:
+            if real[a] * (1 + tie) < real[b] and sim[a] >= sim[b]:
+                out.append((a, b))
+    return out
+
+
+def validate(models: LoadedModels, profile: Profile, policies: list[str], out_dir: str, scale: float = 0.7,
+             seed: int = 0, repeat: int = 1, tolerance: float = 0.15, tie: float = 0.05,
+             sim_seeds: int = 20) -> tuple[dict, str, bool]:
+    """Run the schedule for real and simulated; write results.json and summary.md. Returns
+    (results, markdown, passed)."""
+    jobs, phases = varying_jobs(models.tokenizer, random.Random(seed), scale)
+    warm = [Job(j.prompt, 8) for j in jobs[:2]]
+    for p in policies:  # first-call allocations and code paths, as in the bench
+        _run(models, profile, p, warm, 2, False, tqdm(disable=True))
+    real: dict[str, list[float]] = {p: [] for p in policies}
+    outputs: list[int] | None = None
+    with tqdm(total=repeat * len(policies) * len(jobs), desc="validate: real runs", unit="req") as bar:
+        for _ in range(repeat):
+            for p in policies:
+                res = _run(models, profile, p, jobs, 32, True, bar)
+                real[p].append(res.mean_latency)
+                outputs = outputs or res.outputs
+    trace = [(j.at, len(j.prompt), n) for j, n in zip(jobs, outputs)]
+    sim = {}
+    for p in tqdm(policies, desc="validate: simulated", unit="policy"):
+        runs = [simulate({profile.gpu_type: 1}, {profile.gpu_type: profile}, p, trace=trace, max_batch=32,
+                         kv_budget=10**9, max_k=8, seed=s) for s in range(sim_seeds)]
+        sim[p] = statistics.fmean(r.summary()["mean_latency_s"] for r in runs)
+    real_mean = {p: statistics.median(v) for p, v in real.items()}
+    errors = {p: sim[p] / real_mean[p] - 1 for p in policies}
+    bad_pairs = discordant_pairs(real_mean, sim, tie)
+    passed = all(abs(e) <= tolerance for e in errors.values()) and not bad_pairs
+    results = {"gpu_type": profile.gpu_type, "target": profile.target, "draft": profile.draft, "requests": len(jobs),
+               "phases": phases, "scale": scale, "repeat": repeat, "tolerance": tolerance, "tie": tie,
+               "sim_seeds": sim_seeds, "real_mean_latency_s": real_mean, "real_rounds": real,
+               "sim_mean_latency_s": sim, "error": errors, "discordant_pairs": bad_pairs, "passed": passed,
+               "provenance": provenance()}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    markdown = _markdown(results, policies)
+    (out / "summary.md").write_text(markdown)
+    return results, markdown, passed
+
+
+def _markdown(r: dict, policies: list[str]) -> str:
+    real, sim, err = r["real_mean_latency_s"], r["sim_mean_latency_s"], r["error"]
+    rank_real = {p: i + 1 for i, p in enumerate(sorted(policies, key=real.get))}
+    rank_sim = {p: i + 1 for i, p in enumerate(sorted(policies, key=sim.get))}
+    lines = [f"<!-- written by {r['provenance']['command'] or 'validate()'} on {r['provenance']['created']} -->",
+             f"# Simulator vs real engine on {r['gpu_type']}: target {r['target']}, draft {r['draft']}", "",
+             f"Schedule: `bench policies` (b) at scale {r['scale']}, {r['requests']} requests, phases (start s, end s, "
+             f"requests/s): {', '.join(f'({a:.0f}, {b:.0f}, {c})' for a, b, c in r['phases'])}. Real: median of "
+             f"{r['repeat']} round(s); simulated: mean of {r['sim_seeds']} acceptance draws, from the profile alone.", "",
+             "| policy | real mean latency | simulated | error | rank real / simulated |", "|---|---|---|---|---|"]
+    for p in policies:
+        flag = "" if abs(err[p]) <= r["tolerance"] else " **over**"
+        lines.append(f"| {p} | {real[p]:.2f}s | {sim[p]:.2f}s | {err[p]:+.1%}{flag} | {rank_real[p]} / {rank_sim[p]} |")
+    worst = max(abs(e) for e in err.values())
+    lines += ["", f"Largest error {worst:.1%} (tolerance {r['tolerance']:.0%}); pairs ordered differently where the "
+                  f"real run separates them by more than {r['tie']:.0%}: "
+                  + (", ".join(f"{a} < {b}" for a, b in r["discordant_pairs"]) or "none") + ".",
+              "", f"**{'PASSED' if r['passed'] else 'FAILED'}**", ""]
+    return "\n".join(lines)

@@ -1,0 +1,445 @@
+"""The fleet-scale engine of `specserve simulate`: thousands of replicas, vectorised over time ticks.
+
+The step-by-step simulator (`simulate.py`) runs every engine step of every replica as an event: exact,
+but about 60k steps per second of wall time, and an hour of 1,000 replicas is tens of millions of
+steps. This engine advances all replicas together, one tick (`tick_s`, default 0.1 s) at a time, with
+numpy arrays over replicas and requests in flight. Within a tick a replica:
+- admits waiting requests FIFO up to its max batch and pays their prefill (the profile's price per
+  prompt token at that many admissions); time it could not pay carries into the next tick;
+- decodes its batch for the rest of the tick at the k its policy gives for that batch size: a
+  fractional number of steps of the profile's step time, each sequence gaining the expected tokens per
+  step, 1 + acceptance[0] + ... + acceptance[k-1] (a fluid model: no per-step draws);
+- finishes requests at the moment their last token falls due (interpolated inside the tick).
+Arrivals in a tick are routed at its start with the ingress's rule (the group with the fewest requests
+in flight per replica, then its replica with the fewest), as water-filling. Policies are the real objects: each
+hardware type's policy is asked k for every batch size once per simulated second, after being told a
+step with the acceptance it would see (adaptive's occasional probe steps at k = 0 are not modelled).
+A slot freed inside a tick is refilled at the next one, so latencies carry up to one tick of bias:
+`tests/test_simulate.py` checks this engine against the step-by-step one on a small fleet.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .policy import BatchState, make_policy
+from .profiles import Profile
+from .stats import StepStats
+
+
+@dataclass
+class FleetTables:
+    """Per hardware type (rows) lookup tables the ticks index with numpy."""
+
+    step_ms: np.ndarray  # [G, max_batch + 1, max_k + 1] step latency at batch b and k
+    prefill_ms_per_token: np.ndarray  # [G, max_batch + 1] prefill price per prompt token at n admissions
+    prefill_ms_flat: np.ndarray  # [G, max_batch + 1] profiles without a measured prefill: one plain forward
+    tokens_per_step: np.ndarray  # [G, max_k + 1] expected tokens per sequence per step at k
+    marginal: list[list[float]]  # per group: P(draft token i accepted), i < max_k
+
+
+def build_tables(profiles: list[Profile], max_batch: int, max_k: int, draft: bool) -> FleetTables:
+    G = len(profiles)
+    step = np.zeros((G, max_batch + 1, max_k + 1))
+    prefill = np.zeros((G, max_batch + 1))
+    flat = np.zeros((G, max_batch + 1))
+    tokens = np.ones((G, max_k + 1))
+    marginal = []
+    for g, prof in enumerate(profiles):
+        grid = prof.latency
+        for b in range(1, max_batch + 1):
+            row = grid.step_ms(b)
+            for k in range(max_k + 1):
+                step[g, b, k] = row[grid.ks.index(max(x for x in grid.ks if x <= k))]  # nearest measured k at or below
+            measured = grid.prefill_at(b, b, draft)
+            if measured is None:
+                flat[g, b] = grid.step_ms(b)[0]
+            else:
+                prefill[g, b] = measured / b
+        step[g, 0] = step[g, 1]
+        m = list(prof.acceptance or [])
+        rate = prof.acceptance_rate if prof.acceptance_rate is not None else 0.0
+        while len(m) < max_k:  # past the measured positions: the per-token rate (as simulate.py draws)
+            m.append((m[-1] if m else 1.0) * rate)
+        marginal.append(m[:max_k])
+        tokens[g] = [1.0 + sum(m[:k]) for k in range(max_k + 1)]
+    return FleetTables(step, prefill, flat, tokens, marginal)
+
+
+def waterfill(loads: np.ndarray, count: int) -> np.ndarray:
+    """How many of `count` new requests each replica gets when each goes to the least loaded one in
+    turn (ties: the lower index): the loads rise evenly from the bottom."""
+    n = len(loads)
+    out = np.zeros(n, dtype=np.int64)
+    if count <= 0 or n == 0:
+        return out
+    order = np.argsort(loads, kind="stable")
+    s = loads[order].astype(np.int64)
+    # need[j]: requests that bring the j + 1 least loaded replicas up to level s[j]
+    need = np.arange(1, n + 1) * s - np.cumsum(s)
+    j = int(np.searchsorted(need, count, side="left"))  # replicas taking part: need[j - 1] < count
+    j = max(j, 1)
+    total = int(s[:j].sum()) + count
+    level, extra = divmod(total, j)
+    taking = np.sort(order[:j])
+    out[taking] = level - loads[taking]
+    out[taking[:extra]] += 1  # the last round goes to the lowest indices, as one by one with ties to the lower
+    return out
+
+
+@dataclass
+class FleetResult:
+    policy: str
+    groups: list[str]
+    e2e: np.ndarray  # [finished] seconds, arrival to last token
+    ttft: np.ndarray  # [finished]
+    tpot: np.ndarray  # [finished] (NaN for 1-token answers)
+    group_of: np.ndarray  # [finished] hardware type index
+    output_tokens: np.ndarray  # [finished]
+    arrivals: int
+    span_s: float
+    ticks: np.ndarray  # [T] tick start times
+    batch: np.ndarray  # [T, G] mean batch size of busy replicas
+    k: np.ndarray  # [T, G] mean k of busy replicas
+    replicas: int = 0
+    steps: float = 0.0
+
+    def by_hardware(self) -> dict[str, dict]:
+        return {g: {"requests": int((self.group_of == i).sum()), "mean_latency_s": float(self.e2e[self.group_of == i].mean())}
+                for i, g in enumerate(self.groups) if (self.group_of == i).any()}
+
+    def series(self) -> dict[str, tuple[list[int], list[float], list[float]]]:
+        """Per hardware type: (second, mean batch size, mean k) of busy replicas, averaged over that second's ticks."""
+        sec = self.ticks.astype(int)
+        out = {}
+        for i, g in enumerate(self.groups):
+            ok = ~np.isnan(self.batch[:, i])
+            if not ok.any():
+                continue
+            xs = np.unique(sec[ok])
+            n = np.bincount(sec[ok], minlength=xs.max() + 1)[xs]
+            mean = lambda col: (np.bincount(sec[ok], weights=col[ok], minlength=xs.max() + 1)[xs] / n).tolist()
+            out[g] = (xs.tolist(), mean(self.batch[:, i]), mean(self.k[:, i]))
+        return out
+
+    def summary(self) -> dict:
+        def pct(x, q):
+            x = x[~np.isnan(x)]
+            return float(np.quantile(x, q, method="lower")) if len(x) else float("nan")
+
+        return {"policy": self.policy, "requests": self.arrivals, "finished": len(self.e2e),
+                "mean_latency_s": float(self.e2e.mean()) if len(self.e2e) else float("nan"),
+                **{f"{name}_p{int(q * 100)}_s": pct(vals, q) for name, vals in
+                   (("e2e", self.e2e), ("ttft", self.ttft), ("tpot", self.tpot)) for q in (0.5, 0.9, 0.99)},
+                "goodput_tokens_per_s": float(self.output_tokens.sum() / self.span_s) if self.span_s > 0 else float("nan")}
+
+
+@dataclass
+class _Requests:
+    """Requests in flight, one array per field (index = request slot)."""
+
+    replica: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    arrival: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    prompt: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    output: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    user: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    seq: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    running: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    generated: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    first: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+    NAMES = ("replica", "arrival", "prompt", "output", "user", "seq", "running", "generated", "first")
+
+    def append(self, **cols) -> None:
+        for name in self.NAMES:
+            setattr(self, name, np.concatenate([getattr(self, name), cols[name]]))
+
+    def keep(self, mask: np.ndarray) -> None:
+        for name in self.NAMES:
+            setattr(self, name, getattr(self, name)[mask])
+
+
+def simulate_fleet(fleet: dict[str, int], profiles: dict[str, Profile], policy: str, *, users_at=None,
+                   duration_s: float = 60.0, trace: list[tuple[float, int, int]] | None = None,
+                   prompt_tokens: "int | tuple[int, int]" = 64, output_tokens: "int | tuple[int, int]" = 64,
+                   max_batch: int = 8, max_k: int = 8,
+                   tick_s: float = 0.1, route: str = "least-loaded", seed: int = 0) -> FleetResult:
+    """`fleet` ({hardware type: replicas}) under closed-loop users (`users_at(t)`, re-read every
+    simulated second, for `duration_s`) or an open-loop `trace` of (arrival s, prompt tokens, output
+    tokens). `route`: least-loaded (the ingress: the group with the fewest in flight per replica, then
+    its replica with the fewest) or group-total (the group with the fewest in flight, whatever its size:
+    the ingress's rule before it counted replicas)."""
+    if (users_at is None) == (trace is None):
+        raise ValueError("give exactly one of users_at (closed loop) or trace (open loop)")
+    if route not in ROUTES:
+        raise ValueError(f"unknown route {route!r}: expected one of {', '.join(ROUTES)}")
+    missing = [t for t in fleet if t not in profiles or profiles[t].latency is None]
+    if missing:
+        raise ValueError(f"no profile with a latency grid for hardware types {missing}")
+    sim = _Fleet(fleet, profiles, policy, max_batch, max_k, tick_s, route, seed)
+    arrivals = _Trace(trace) if trace is not None else _Users(users_at, duration_s, prompt_tokens, output_tokens, seed)
+    t = 0.0
+    while t < arrivals.end_s or len(sim.req.seq) or arrivals.pending():
+        if t - sim.last_policy >= 1.0:
+            sim.ask_policies(t)
+        sim.route(*arrivals.due(t, t + tick_s))
+        prefill_ms = sim.admit(t)
+        for users, done in sim.decode(t, prefill_ms):
+            arrivals.finished(users, done)
+        t += tick_s
+        if t > arrivals.end_s + 3600:  # an overloaded fleet never drains: stop an hour past the end
+            break
+    return sim.result(arrivals.first_s)
+
+
+class _Trace:
+    """Open loop: the trace's requests, each due at its arrival time."""
+
+    def __init__(self, trace: list[tuple[float, int, int]]):
+        self.rows = np.array(sorted(trace), dtype=float).reshape(-1, 3)
+        self.end_s = float(self.rows[-1, 0]) if len(self.rows) else 0.0
+        self.first_s = float(self.rows[0, 0]) if len(self.rows) else 0.0
+        self.next = 0
+
+    def pending(self) -> bool:
+        return self.next < len(self.rows)
+
+    def due(self, t0: float, t1: float):
+        stop = int(np.searchsorted(self.rows[:, 0], t1, side="left"))
+        rows, self.next = self.rows[self.next:stop], stop
+        return rows[:, 0], rows[:, 1].astype(np.int64), rows[:, 2].astype(np.int64), np.full(len(rows), -1)
+
+    def finished(self, users: np.ndarray, done: np.ndarray) -> None:
+        pass
+
+
+class _Users:
+    """Closed loop: users_at(t) users (re-read each simulated second), each sending its next request
+    when its last one finished; users over the count stop after their request in flight."""
+
+    def __init__(self, users_at, duration_s: float, prompt_tokens, output_tokens, seed: int):
+        self.users_at, self.end_s, self.first_s = users_at, duration_s, 0.0
+        self.prompt, self.output = prompt_tokens, output_tokens  # a count, or (low, high) drawn per request
+        self.rng = np.random.default_rng(seed + 1)
+        self.active = np.zeros(0, bool)  # [users] counted by the shape now
+        self.busy = np.zeros(0, bool)  # [users] a request in flight or due
+        self.at, self.who = np.zeros(0), np.zeros(0, np.int64)  # next requests: due time, user
+        self.checked = -1
+
+    def pending(self) -> bool:
+        return len(self.at) > 0
+
+    def due(self, t0: float, t1: float):
+        if t0 < self.end_s and math.floor(t0) > self.checked:
+            self.checked = math.floor(t0)
+            want = max(0, int(round(self.users_at(t0))))
+            if want > len(self.active):
+                grow = np.zeros(want - len(self.active), bool)
+                self.active, self.busy = np.concatenate([self.active, grow]), np.concatenate([self.busy, grow])
+            starting = np.flatnonzero(~self.active[:want] & ~self.busy[:want])
+            self.active[:] = False
+            self.active[:want] = True
+            self.busy[starting] = True
+            self.at, self.who = np.concatenate([self.at, np.full(len(starting), t0)]), np.concatenate([self.who, starting])
+        if t0 >= self.end_s:
+            self.active[:] = False
+        now = self.at < t1
+        at, who = self.at[now], self.who[now]
+        self.at, self.who = self.at[~now], self.who[~now]
+        return at, self._draw(self.prompt, len(at)), self._draw(self.output, len(at)), who
+
+    def _draw(self, tokens, n: int) -> np.ndarray:
+        if isinstance(tokens, int):
+            return np.full(n, tokens)
+        return self.rng.integers(tokens[0], tokens[1] + 1, size=n)
+
+    def finished(self, users: np.ndarray, done: np.ndarray) -> None:
+        again = self.active[users]
+        self.busy[users[~again]] = False
+        self.at, self.who = np.concatenate([self.at, done[again]]), np.concatenate([self.who, users[again]])
+
+
+class _Fleet:
+    """The replicas (arrays over R) and the requests in flight (arrays over requests)."""
+
+    def __init__(self, fleet: dict[str, int], profiles: dict[str, Profile], policy: str, max_batch: int, max_k: int,
+                 tick_s: float, route: str, seed: int):
+        self.groups = list(fleet)
+        self.counts = np.array([fleet[g] for g in self.groups])
+        self.R, G = int(self.counts.sum()), len(self.groups)
+        self.group_of = np.repeat(np.arange(G), self.counts)  # [R]
+        self.first_replica = np.concatenate([[0], np.cumsum(self.counts)[:-1]])  # [G]
+        self.has_draft = policy != "none"
+        self.tables = build_tables([profiles[g] for g in self.groups], max_batch, max_k, self.has_draft)
+        self.policy = policy
+        self.policies = [make_policy(policy, profiles[g]) for g in self.groups]
+        self.k_table = np.zeros((G, max_batch + 1), dtype=np.int64)  # [G, batch] k the policy gives
+        self.max_batch, self.max_k, self.tick_s, self.route_rule = max_batch, max_k, tick_s, route
+        self.rng = np.random.default_rng(seed)
+        self.req = _Requests()
+        self.debt = np.zeros(self.R)  # [R] ms of prefill a replica still owes from earlier ticks
+        self.next_seq, self.arrivals, self.steps, self.last_done, self.last_policy = 0, 0, 0.0, 0.0, -1.0
+        self.done: dict[str, list] = {"e2e": [], "ttft": [], "tpot": [], "group": [], "out": []}
+        self.ticks, self.batch_log, self.k_log = [], [], []
+
+    def ask_policies(self, t: float) -> None:
+        """k per batch size from each hardware type's policy (a copy, so asking is not a step)."""
+        self.last_policy = t
+        for g, pol in enumerate(self.policies):
+            probe = copy.copy(pol)
+            if hasattr(probe, "_since_probe"):
+                probe._since_probe = 0  # adaptive counts k = 0 answers towards its probe: not here
+            self.k_table[g] = [0] + [probe.choose(BatchState(b, self.max_k, self.has_draft))
+                                     for b in range(1, self.max_batch + 1)]
+
+    def route(self, at: np.ndarray, prompt: np.ndarray, output: np.ndarray, user: np.ndarray) -> None:
+        n = len(at)
+        if not n:
+            return
+        in_flight = np.bincount(self.req.replica, minlength=self.R)
+        target = _route(in_flight, n, self.group_of, self.first_replica, self.counts, self.route_rule)
+        self.req.append(replica=target, arrival=at, prompt=prompt, output=output, user=user,
+                        seq=np.arange(self.next_seq, self.next_seq + n), running=np.zeros(n, bool),
+                        generated=np.zeros(n), first=np.full(n, np.nan))
+        self.next_seq += n
+        self.arrivals += n
+
+    def admit(self, t: float) -> np.ndarray:
+        """FIFO per replica up to the max batch; returns each replica's prefill ms this tick [R]."""
+        req, R = self.req, self.R
+        prefill_ms = np.zeros(R)
+        waiting = np.flatnonzero(~req.running)
+        if not len(waiting):
+            return prefill_ms
+        running_per = np.bincount(req.replica[req.running], minlength=R)
+        order = waiting[np.lexsort((req.seq[waiting], req.replica[waiting]))]  # by replica, then arrival
+        reps = req.replica[order]
+        rank = np.arange(len(order)) - np.searchsorted(reps, reps, side="left")  # place in its replica's queue
+        admit = order[rank < (self.max_batch - running_per)[reps]]
+        if len(admit):
+            n_adm = np.minimum(np.bincount(req.replica[admit], minlength=R), self.max_batch)
+            tokens = np.bincount(req.replica[admit], weights=req.prompt[admit], minlength=R)
+            prefill_ms = (self.tables.prefill_ms_per_token[self.group_of, n_adm] * tokens
+                          + self.tables.prefill_ms_flat[self.group_of, n_adm])
+            r = req.replica[admit]
+            req.first[admit] = np.maximum(req.arrival[admit], t) + (self.debt[r] + prefill_ms[r]) / 1000
+            req.running[admit] = True
+            req.generated[admit] = 1.0
+        return prefill_ms
+
+    def decode(self, t: float, prefill_ms: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Every replica decodes for what is left of the tick; returns (users, done times) of the
+        requests that finished."""
+        req, tick_ms = self.req, self.tick_s * 1000
+        run = np.flatnonzero(req.running)
+        batch = np.bincount(req.replica[run], minlength=self.R)  # [R]
+        b = np.minimum(batch, self.max_batch)
+        ks = self.k_table[self.group_of, b]  # [R]
+        step_ms = self.tables.step_ms[self.group_of, b, ks]  # [R]
+        per_step = self.tables.tokens_per_step[self.group_of, ks]  # [R] expected tokens per sequence
+        used_ms = self.debt + prefill_ms
+        self.debt = np.maximum(used_ms - tick_ms, 0.0)
+        n_steps = np.where(batch > 0, np.maximum(tick_ms - used_ms, 0.0) / step_ms, 0.0)  # [R] fractional
+        self.steps += float(n_steps.sum())
+        self._log(t, batch, ks)
+        self._observe(batch, ks)
+        if not len(run):
+            return []
+        r = req.replica[run]
+        need = np.maximum(req.output[run] - req.generated[run], 0.0)
+        gain = n_steps[r] * per_step[r]
+        req.generated[run] += gain
+        ends = need <= gain
+        fin, rf = run[ends], r[ends]
+        if not len(fin):
+            return []
+        begin = t + np.minimum(used_ms[rf], tick_ms) / 1000  # decoding starts after the prefill
+        done = np.maximum(begin + need[ends] / per_step[rf] * step_ms[rf] / 1000, req.first[fin])
+        out = req.output[fin]
+        self.done["e2e"].append(done - req.arrival[fin])
+        self.done["ttft"].append(req.first[fin] - req.arrival[fin])
+        self.done["tpot"].append(np.where(out > 1, (done - req.first[fin]) / np.maximum(out - 1, 1), np.nan))
+        self.done["group"].append(self.group_of[rf])
+        self.done["out"].append(out)
+        self.last_done = max(self.last_done, float(done.max()))
+        users = req.user[fin]
+        keep = np.ones(len(req.seq), bool)
+        keep[fin] = False
+        req.keep(keep)
+        return [(users, done)]
+
+    def _log(self, t: float, batch: np.ndarray, ks: np.ndarray) -> None:
+        """Mean batch size and k of busy replicas per hardware type, this tick."""
+        busy = batch > 0
+        G = len(self.groups)
+        n = np.bincount(self.group_of[busy], minlength=G)
+        self.ticks.append(t)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            self.batch_log.append(np.bincount(self.group_of[busy], weights=batch[busy], minlength=G) / n)
+            self.k_log.append(np.bincount(self.group_of[busy], weights=ks[busy], minlength=G) / n)
+
+    def _observe(self, batch: np.ndarray, ks: np.ndarray) -> None:
+        """Tell each hardware type's policy one step at its most common k, with acceptance drawn from
+        its profile (what adaptive's estimate follows)."""
+        for g, pol in enumerate(self.policies):
+            sel = (batch > 0) & (self.group_of == g)
+            if not sel.any() or ks[sel].max() == 0:
+                continue
+            k = int(np.bincount(ks[sel]).argmax()) or int(ks[sel].max())
+            b = int(round(batch[sel].mean()))
+            per_pos = [int(self.rng.binomial(b, p)) for p in self.tables.marginal[g][:k]]
+            per_pos = [min(x, per_pos[i - 1]) if i else x for i, x in enumerate(per_pos)]  # accepted only after all before
+            pol.observe(StepStats(batch_size=b, k=k, proposed=b * k, accepted=sum(per_pos), accepted_per_position=per_pos))
+
+    def result(self, first_arrival: float) -> FleetResult:
+        def cat(name, dtype=float):
+            return np.concatenate(self.done[name]) if self.done[name] else np.zeros(0, dtype)
+
+        G = len(self.groups)
+        return FleetResult(self.policy, self.groups, cat("e2e"), cat("ttft"), cat("tpot"), cat("group", np.int64),
+                           cat("out", np.int64), self.arrivals, self.last_done - first_arrival, np.array(self.ticks),
+                           np.array(self.batch_log).reshape(-1, G), np.array(self.k_log).reshape(-1, G), self.R, self.steps)
+
+
+ROUTES = ("least-loaded", "group-total")
+
+
+def _route(in_flight: np.ndarray, n: int, group_of: np.ndarray, first_replica: np.ndarray, counts: np.ndarray,
+           route: str) -> np.ndarray:
+    """Replica index for each of `n` new requests routed together."""
+    totals = np.bincount(group_of, weights=in_flight, minlength=len(counts))
+    if route == "group-total":  # each request to the group with the fewest in flight, whatever its size
+        per_group = waterfill(totals.astype(np.int64), n)
+    else:  # least-loaded: the group with the fewest in flight per replica
+        per_group = _share(totals, counts, n)
+    out = []
+    for g, c in enumerate(per_group):
+        if c:
+            lo = first_replica[g]
+            per = waterfill(in_flight[lo:lo + counts[g]], int(c))
+            out.append(lo + np.repeat(np.arange(counts[g]), per))
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def _share(totals: np.ndarray, counts: np.ndarray, n: int) -> np.ndarray:
+    """Split n requests over groups so their in flight per replica levels out from the bottom (what
+    sending each to the group with the lowest level does), rounded to whole requests."""
+    levels = totals / counts
+    order = np.argsort(levels, kind="stable")
+    # raise the j lowest groups together to level h, where sum(counts * (h - level)) over them = n
+    for j in range(1, len(order) + 1):
+        idx = order[:j]
+        h = (n + (totals[idx]).sum()) / counts[idx].sum()
+        if j == len(order) or h <= levels[order[j]]:
+            break
+    want = np.zeros(len(counts))
+    want[idx] = np.maximum(h * counts[idx] - totals[idx], 0.0)
+    share = np.floor(want).astype(np.int64)
+    rest = n - int(share.sum())
+    if rest > 0:  # the remainder to the largest fractions
+        share[np.argsort(-(want - share), kind="stable")[:rest]] += 1
+    return share
