@@ -248,7 +248,7 @@ def test_router_says_which_kind_of_profile_it_holds():
 # ---- the paper's qualitative result and the committed predictions --------------------------------
 def test_opt_on_a100_best_k_falls_as_the_batch_grows_but_not_to_the_papers_1_2():
     """OPT-6.7B verified, OPT-125M drafting, float16 on an A100, per-token acceptance 0.8 (an
-    assumption: the paper measured 0.7-0.8 for this pair), default overheads (smooth corner p = 2),
+    assumption, not the paper's own figure), default overheads (smooth corner p = 2),
     512 tokens of context. What the model gives, pinned: best k 4 at batch 1 (paper: 4-5), 3 from
     batch 32 on (paper: 1-2 at batch 32), results/predict-opt-a100.md says why. The old sharp max
     (p -> inf) gave 3 at batch 32 too, and 2 from batch 64 on."""
