@@ -317,6 +317,15 @@ def test_profile_push_changes_k_without_restart(service, tmp_path):
     bad.write_text('{"gpu_type": "A", "best_k": {}}')
     proc = push(bad)
     assert proc.returncode == 2 and "profile" in proc.stderr
+    # A predicted profile never replaces the measured one held for A: refused, the router keeps version 2.
+    prediction = {"hardware": "h", "hardware_source": "s", "memory_gb_s": 1, "tflops": 1, "memory_efficiency": 1,
+                  "compute_efficiency": 1, "forward_base_ms": 0, "forward_per_layer_ms": 0, "step_ms": 0,
+                  "step_per_seq_ms": 0, "context_tokens": 0, "acceptance_from": "assumed"}
+    proc = push(write_profile(tmp_path / "A-predicted.json", "A", 4, source="predicted", prediction=prediction))
+    assert proc.returncode == 2 and "measured" in proc.stderr, proc.stderr
+    time.sleep(1.5)
+    st = stats("A")
+    assert st["profile_version"] == 2 and st["profile_source"] == "measured"
 
 
 def test_profile_for_another_model_pair_is_not_used(service, tmp_path):
