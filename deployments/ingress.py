@@ -548,15 +548,15 @@ class OpenAIIngress:
         """Mark a group down when `misses` pings in a row get no answer from any of its Router
         replicas (its nodes are gone: Serve would hold its requests until a replica comes back), and up
         at the first answer. New requests go to live groups; requests waiting on a down group move."""
+        async def ping(g: str) -> bool:
+            try:
+                await asyncio.wait_for(self.routers[g].ready.remote(), timeout=period_s * 1.5)
+                return True
+            except Exception:
+                return False
+
         missed = {g: 0 for g in self.routers}
         while True:
-            async def ping(g: str) -> bool:
-                try:
-                    await asyncio.wait_for(self.routers[g].ready.remote(), timeout=period_s * 1.5)
-                    return True
-                except Exception:
-                    return False
-
             for g, ok in zip(self.routers, await asyncio.gather(*(ping(g) for g in self.routers))):
                 missed[g] = 0 if ok else missed[g] + 1
                 if missed[g] >= misses and g not in self.down:

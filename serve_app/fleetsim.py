@@ -28,6 +28,7 @@ import numpy as np
 
 from .policy import BatchState, make_policy
 from .profiles import Profile
+from .simulate import marginal_acceptance, summarize
 from .stats import StepStats
 
 
@@ -55,17 +56,14 @@ def build_tables(profiles: list[Profile], max_batch: int, max_k: int, draft: boo
             row = grid.step_ms(b)
             for k in range(max_k + 1):
                 step[g, b, k] = row[grid.ks.index(max(x for x in grid.ks if x <= k))]  # nearest measured k at or below
-            measured = grid.prefill_at(b, b, draft)
-            if measured is None:
+            per_token = grid.prefill_at(b, 1, draft)  # admitting b requests, per prompt token
+            if per_token is None:
                 flat[g, b] = grid.step_ms(b)[0]
             else:
-                prefill[g, b] = measured / b
+                prefill[g, b] = per_token
         step[g, 0] = step[g, 1]
-        m = list(prof.acceptance or [])
-        rate = prof.acceptance_rate if prof.acceptance_rate is not None else 0.0
-        while len(m) < max_k:  # past the measured positions: the per-token rate (as simulate.py draws)
-            m.append((m[-1] if m else 1.0) * rate)
-        marginal.append(m[:max_k])
+        m = marginal_acceptance(prof, max_k)
+        marginal.append(m)
         tokens[g] = [1.0 + sum(m[:k]) for k in range(max_k + 1)]
     return FleetTables(step, prefill, flat, tokens, marginal)
 
@@ -127,15 +125,8 @@ class FleetResult:
         return out
 
     def summary(self) -> dict:
-        def pct(x, q):
-            x = x[~np.isnan(x)]
-            return float(np.quantile(x, q, method="lower")) if len(x) else float("nan")
-
-        return {"policy": self.policy, "requests": self.arrivals, "finished": len(self.e2e),
-                "mean_latency_s": float(self.e2e.mean()) if len(self.e2e) else float("nan"),
-                **{f"{name}_p{int(q * 100)}_s": pct(vals, q) for name, vals in
-                   (("e2e", self.e2e), ("ttft", self.ttft), ("tpot", self.tpot)) for q in (0.5, 0.9, 0.99)},
-                "goodput_tokens_per_s": float(self.output_tokens.sum() / self.span_s) if self.span_s > 0 else float("nan")}
+        return summarize(self.policy, self.arrivals, self.e2e, self.ttft, self.tpot[~np.isnan(self.tpot)],
+                         float(self.output_tokens.sum()), self.span_s)
 
 
 @dataclass

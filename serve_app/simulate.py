@@ -24,6 +24,8 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .policy import BatchState, make_policy
 from .profiles import Profile
 from .stats import StepStats
@@ -61,6 +63,9 @@ class Replica:
     busy: bool = False
     last_k: int | None = None  # k of the last decode step (None: none yet)
     steps: list = field(default_factory=list)  # (time, batch size, k) of every step
+
+    def __post_init__(self) -> None:
+        self.marginal = marginal_acceptance(self.profile, self.max_k)
 
     @property
     def in_flight(self) -> int:
@@ -112,15 +117,36 @@ class Replica:
     def _accepted(self, k: int) -> int:
         """Draft tokens accepted in one step at k: position i is accepted, given all before it were,
         with the profile's conditional acceptance there."""
-        marginal = self.profile.acceptance or []
-        rate = self.profile.acceptance_rate if self.profile.acceptance_rate is not None else 0.0
         n, previous = 0, 1.0
-        for i in range(k):
-            p = marginal[i] if i < len(marginal) else previous * rate
+        for p in self.marginal[:k]:
             if previous <= 0 or self.rng.random() >= min(p / previous, 1.0):
                 break
             n, previous = n + 1, p
         return n
+
+
+def marginal_acceptance(profile: Profile, max_k: int) -> list[float]:
+    """P(draft token i accepted), i < max_k: the profile's measured acceptance per position, extended
+    past the measured positions by its per-token rate."""
+    m = list(profile.acceptance or [])
+    rate = profile.acceptance_rate if profile.acceptance_rate is not None else 0.0
+    while len(m) < max_k:
+        m.append((m[-1] if m else 1.0) * rate)
+    return m[:max_k]
+
+
+def summarize(policy: str, requests: int, e2e, ttft, tpot, output_tokens: int, span_s: float) -> dict:
+    """The figures both engines report: mean and p50/p90/p99 end-to-end latency, TTFT and TPOT of the
+    finished requests (seconds; NaN-free arrays), and goodput over the span."""
+    def pct(x: np.ndarray, q: float) -> float:
+        return float(np.quantile(x, q, method="lower")) if len(x) else float("nan")
+
+    e2e, ttft, tpot = (np.asarray(x, dtype=float) for x in (e2e, ttft, tpot))
+    return {"policy": policy, "requests": requests, "finished": len(e2e),
+            "mean_latency_s": float(e2e.mean()) if len(e2e) else float("nan"),
+            **{f"{name}_p{int(q * 100)}_s": pct(vals, q) for name, vals in (("e2e", e2e), ("ttft", ttft), ("tpot", tpot))
+               for q in (0.5, 0.9, 0.99)},
+            "goodput_tokens_per_s": output_tokens / span_s if span_s > 0 else float("nan")}
 
 
 @dataclass
@@ -131,20 +157,11 @@ class SimResult:
 
     def summary(self) -> dict:
         done = [j for j in self.jobs if j.done is not None]
-
-        def pct(values, q):
-            values = sorted(values)
-            return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
-
-        e2e = [j.done - j.arrival for j in done]
-        ttft = [j.first_token - j.arrival for j in done]
-        tpot = [(j.done - j.first_token) / (j.output_tokens - 1) for j in done if j.output_tokens > 1]
         span = max((j.done for j in done), default=0) - min((j.arrival for j in self.jobs), default=0)
-        return {"policy": self.policy, "requests": len(self.jobs), "finished": len(done),
-                "mean_latency_s": sum(e2e) / len(e2e) if e2e else float("nan"),
-                **{f"{name}_p{int(q * 100)}_s": pct(vals, q) for name, vals in (("e2e", e2e), ("ttft", ttft), ("tpot", tpot))
-                   for q in (0.5, 0.9, 0.99)},
-                "goodput_tokens_per_s": sum(j.output_tokens for j in done) / span if span > 0 else float("nan")}
+        return summarize(self.policy, len(self.jobs), [j.done - j.arrival for j in done],
+                         [j.first_token - j.arrival for j in done],
+                         [(j.done - j.first_token) / (j.output_tokens - 1) for j in done if j.output_tokens > 1],
+                         sum(j.output_tokens for j in done), span)
 
     @property
     def steps(self) -> int:
@@ -303,7 +320,8 @@ def run_simulations(fleet: dict[str, int], profiles: dict[str, Profile], policie
         s = res.summary()
         s["wall_s"] = round(wall, 2)
         s["steps"] = int(res.steps)
-        s["by_hardware"] = {g: res.by_hardware().get(g, {"requests": 0, "mean_latency_s": None}) for g in fleet}
+        served = res.by_hardware()
+        s["by_hardware"] = {g: served.get(g, {"requests": 0, "mean_latency_s": None}) for g in fleet}
         results[policy], runs[policy] = s, res
     _plot(runs, os.path.join(out_dir, "k_batch.png"))
     fleet_text = ", ".join(f"{n} x {g}" for g, n in fleet.items())
@@ -345,8 +363,9 @@ def _plot(runs: dict, path: str) -> None:
     styles = ["-", "--", ":", "-."]
     fig, (ax_b, ax_k) = plt.subplots(2, 1, figsize=(10, 7.5), sharex=True)
     for c, (policy, res) in enumerate(runs.items()):
-        for i, (group, (xs, batch, ks)) in enumerate(sorted(res.series().items())):
-            label = policy if len(runs[policy].series()) == 1 else f"{policy} @ {group}"
+        series = res.series()
+        for i, (group, (xs, batch, ks)) in enumerate(sorted(series.items())):
+            label = policy if len(series) == 1 else f"{policy} @ {group}"
             kw = dict(color=f"C{c % 10}", linestyle=styles[i % len(styles)], linewidth=1.2)
             ax_b.plot(xs, batch, label=label, **kw)
             ax_k.plot(xs, ks, label=label, **kw)
