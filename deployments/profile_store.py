@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ray import serve
 
-from serve_app.profiles import Profile, load_profiles, replaces
+from serve_app.profiling.profiles import Profile, load_profiles, replaces
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})

@@ -31,10 +31,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from serve_app.config import EngineConfig, ModelConfig, SamplingParams
 from serve_app.models import draft_spec, load_tokenizer, model_names
-from serve_app.policy import AcceptanceEstimate, make_policy, needs_profile
-from serve_app.profiles import Profile
-from serve_app.scheduler import Engine, RequestOutput
-from serve_app.stats import StepStats
+from serve_app.engine.policy import AcceptanceEstimate, make_policy, needs_profile
+from serve_app.profiling.profiles import Profile
+from serve_app.engine.scheduler import Engine, RequestOutput
+from serve_app.engine.stats import StepStats
 
 from .config import GroupConfig
 from .workers import DraftWorker, RemoteWorker, TargetWorker

@@ -1,6 +1,6 @@
 """DraftWorker and TargetWorker: Ray actors that each host one model and its sequences' KV state.
 
-The target wraps `serve_app.worker.ModelWorker`, the draft whatever worker its kind needs
+The target wraps `serve_app.engine.worker.ModelWorker`, the draft whatever worker its kind needs
 (`serve_app.drafting.draft_worker`); the Router talks to them through `RemoteWorker`, a proxy with
 the same methods, so the engine's step runs unchanged across actors. Per step only token ids (and,
 when sampling, the draft's distributions, sparse when top-k/top-p allow; for an EAGLE-style draft,
@@ -17,7 +17,7 @@ import torch
 from serve_app.config import ModelConfig
 from serve_app.drafting import draft_worker
 from serve_app.models import draft_spec, load_draft, load_target
-from serve_app.worker import ModelWorker
+from serve_app.engine.worker import ModelWorker
 
 
 class _ModelHost:

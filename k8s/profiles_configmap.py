@@ -25,7 +25,7 @@ def build_configmap(profiles_dir: str | Path, name: str = "specserve-profiles") 
     """The ConfigMap object holding every profiles_dir/*.json (validated) under its file name."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from serve_app.profiles import load_profile
+    from serve_app.profiling.profiles import load_profile
 
     data = {}
     for path in sorted(Path(profiles_dir).glob("*.json")):

@@ -15,7 +15,7 @@ import sys
 
 from pydantic import ValidationError
 
-from .config import EMBEDDED, EngineConfig, ModelConfig, SamplingParams
+from serve_app.config import EMBEDDED, EngineConfig, ModelConfig, SamplingParams
 
 
 class UsageError(Exception):
@@ -207,7 +207,7 @@ def _parser() -> argparse.ArgumentParser:
     pf.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt for the acceptance measurement")
     pf.add_argument("--predict", metavar="GPU_TYPE", default=None,
                     help="measure nothing: write a profile marked `source: predicted` for GPU_TYPE from the roofline "
-                         "model (serve_app/roofline.py); needs --acceptance-rate or --acceptance-from")
+                         "model (serve_app/profiling/roofline.py); needs --acceptance-rate or --acceptance-from")
     pf.add_argument("--acceptance-rate", type=float, default=None,
                     help="--predict: assumed per-token acceptance a (draft position i accepted with a^(i+1))")
     pf.add_argument("--acceptance-from", metavar="PROFILE", default=None,
@@ -248,7 +248,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _configs(args) -> tuple[ModelConfig, EngineConfig]:
-    from .policy import make_policy, needs_profile
+    from serve_app.engine.policy import make_policy, needs_profile
 
     try:
         if not needs_profile(args.policy):
@@ -314,7 +314,7 @@ def cmd_generate(args) -> int:
     except ValidationError as e:
         raise UsageError(_first_error(e)) from None
     jobs = read_jobs(args.prompts, defaults)
-    from .policy import make_policy, needs_profile
+    from serve_app.engine.policy import make_policy, needs_profile
 
     policy = make_policy(ec.policy, find_profile(args.profile, mc) if needs_profile(ec.policy) else None)
     try:
@@ -323,8 +323,8 @@ def cmd_generate(args) -> int:
     except OSError as e:
         raise UsageError(f"cannot write {args.out}: {e}") from None
 
-    from .models import load_models
-    from .scheduler import Engine
+    from serve_app.models import load_models
+    from serve_app.engine.scheduler import Engine
 
     engine = Engine.from_models(load_models(mc), ec, policy)
     results = asyncio.run(_generate_all(engine, jobs))
@@ -340,7 +340,7 @@ def cmd_generate(args) -> int:
 
 async def _generate_all(engine, jobs: list[dict]) -> list[dict]:
     """Every job through the continuous batcher at once; the engine admits up to its batch size."""
-    from .prompts import encode_prompt
+    from serve_app.prompts import encode_prompt
 
     async def one(job: dict) -> dict:
         if "error" in job:
@@ -376,7 +376,7 @@ def int_list(text: str, flag: str) -> list[int]:
 
 
 def _write_bench(args, name: str, results: dict, markdown: str) -> None:
-    from .bench.rounds import default_stem, write_results
+    from serve_app.bench.rounds import default_stem, write_results
 
     print("\n" + markdown)
     json_path, md_path = write_results(args.out or default_stem(f"bench-{name}"), results, markdown)
@@ -388,7 +388,7 @@ def _bench_model(args) -> ModelConfig:
 
 
 def _cmd_bench_engine(args) -> int:
-    from .bench.engine import bench_engine
+    from serve_app.bench.engine import bench_engine
 
     ks = int_list(args.ks, "--ks")
     if args.rounds < 1 or args.num_prompts < 1 or args.concurrency < 2 or args.max_tokens < 1 or any(k < 1 for k in ks):
@@ -400,7 +400,7 @@ def _cmd_bench_engine(args) -> int:
 
 
 def _cmd_bench_acceptance(args) -> int:
-    from .bench.acceptance import bench_acceptance
+    from serve_app.bench.acceptance import bench_acceptance
 
     if not 1 <= args.k <= 32 or args.max_tokens < 1 or args.batch_size < 1 or not 0 <= args.temperature <= 2:
         raise UsageError("need 1 <= --k <= 32, --max-tokens >= 1, --batch-size >= 1 and 0 <= --temperature <= 2")
@@ -429,9 +429,9 @@ def _app_config(args) -> dict:
 
 
 def _cmd_distill(args) -> int:
-    from .drafting.distill import distill
-    from .drafting.self_prompts import load_prompts
-    from .models import load_target
+    from serve_app.drafting.distill import distill
+    from serve_app.drafting.self_prompts import load_prompts
+    from serve_app.models import load_target
 
     # --prompts: a whole number picks that many seed prompts; anything else names a JSONL file,
     # read (and checked) now, before the model loads.
@@ -460,7 +460,7 @@ def _cmd_distill(args) -> int:
             raise UsageError(f"--feature-layers: expected comma-separated layer numbers, got {args.feature_layers!r}") from None
     target, tokenizer, name = load_target(args.target, args.dtype)
     if args.method == "eagle3":
-        from .drafting.eagle3_train import distill_eagle3
+        from serve_app.drafting.eagle3_train import distill_eagle3
 
         n = target.config.num_hidden_layers
         if layers is not None and (len(layers) != 3 or not all(0 <= i <= n for i in layers)):
@@ -481,7 +481,7 @@ def _cmd_distill(args) -> int:
 
 
 def _cmd_profile(args) -> int:
-    from .profiler import plot_profile, run_profile
+    from serve_app.profiling.profiler import plot_profile, run_profile
 
     if args.predict and args.check_prediction:
         raise UsageError("--predict and --check-prediction are two different runs: pass one")
@@ -490,9 +490,9 @@ def _cmd_profile(args) -> int:
     if args.context is not None and args.context < 0:
         raise UsageError("--context must be >= 0")
     if args.check_prediction:
-        from .bench.rounds import RESULTS_DIR, write_results
-        from .profiles import load_profile
-        from .roofline import check_for
+        from serve_app.bench.rounds import RESULTS_DIR, write_results
+        from serve_app.profiling.profiles import load_profile
+        from serve_app.profiling.roofline import check_for
 
         stem = args.out or str(RESULTS_DIR / f"predict-check-{load_profile(args.check_prediction).gpu_type}")
         data, markdown = check_for(args.check_prediction, args.target, args.draft, args.context)
@@ -506,8 +506,8 @@ def _cmd_profile(args) -> int:
     if args.predict:
         from pathlib import Path
 
-        from .profiles import save_profile
-        from .roofline import predict_for
+        from serve_app.profiling.profiles import save_profile
+        from serve_app.profiling.roofline import predict_for
 
         # auto: bfloat16, which every GPU in the spec table computes natively
         dtype = "bfloat16" if args.dtype == "auto" else args.dtype
@@ -541,8 +541,8 @@ def _cmd_serve(args) -> int:
 
 
 def _cmd_chaos(args) -> int:
-    from .bench.chaos import chaos
-    from .bench.rounds import default_stem, write_results
+    from serve_app.bench.chaos import chaos
+    from serve_app.bench.rounds import default_stem, write_results
 
     if args.users < 1 or args.max_tokens < 1 or args.interval <= 0 or args.soak_minutes < 0 or args.burst < 0 \
             or not 0 < args.load <= 1.5:
@@ -559,8 +559,9 @@ def _cmd_chaos(args) -> int:
 
 
 def _cmd_simulate(args) -> int:
-    from .profiles import load_profiles
-    from .simulate import read_trace, run_simulations
+    from serve_app.profiling.profiles import load_profiles
+    from serve_app.sim.run import run_simulations
+    from serve_app.sim.simulate import read_trace
 
     if args.validate:
         return _cmd_simulate_validate(args)
@@ -609,9 +610,9 @@ def _token_range(text: str, flag: str) -> "int | tuple[int, int]":
 
 
 def _cmd_simulate_validate(args) -> int:
-    from .bench.rounds import default_stem
-    from .bench.simcheck import validate
-    from .models import load_models
+    from serve_app.bench.rounds import default_stem
+    from serve_app.bench.simcheck import validate
+    from serve_app.models import load_models
 
     policies = [p.strip() for p in (args.policy or "none,fixed:1,fixed:2,fixed:4,fixed:8,lut,adaptive").split(",")
                 if p.strip()]
@@ -657,7 +658,7 @@ def _cmd_drain(args) -> int:
 
 
 def _cmd_profiles_push(args) -> int:
-    from .profiles import load_profile
+    from serve_app.profiling.profiles import load_profile
 
     profile = load_profile(args.file)  # a malformed file fails here, before touching the service
     import ray
@@ -676,8 +677,8 @@ def _cmd_profiles_push(args) -> int:
 
 def find_profile(path: str | None, mc: ModelConfig):
     """The profile at `path`, else profiles/<this hardware type>.json; checked against the model pair."""
-    from .models import model_names, resolve_dtype
-    from .profiles import detect_gpu_type, load_profile
+    from serve_app.models import model_names, resolve_dtype
+    from serve_app.profiling.profiles import detect_gpu_type, load_profile
 
     path = path or f"profiles/{detect_gpu_type()}.json"
     if not os.path.isfile(path):
@@ -688,9 +689,9 @@ def find_profile(path: str | None, mc: ModelConfig):
 
 
 def _cmd_bench_policies(args) -> int:
-    from .bench.policies import bench_policies
-    from .bench.rounds import default_stem
-    from .models import load_models
+    from serve_app.bench.policies import bench_policies
+    from serve_app.bench.rounds import default_stem
+    from serve_app.models import load_models
 
     cs = sorted(set(int_list(args.concurrency, "--concurrency")))
     if (not cs or cs[0] < 1 or not 1 <= args.max_k <= 8 or args.scale <= 0 or not set(args.parts) <= set("abc")
@@ -705,7 +706,7 @@ def _cmd_bench_policies(args) -> int:
 
 
 def _cmd_bench_http(args) -> int:
-    from .bench.http import bench_http
+    from serve_app.bench.http import bench_http
 
     if args.policy in ("lut", "adaptive") or args.rounds < 1:
         raise UsageError("bench http runs the same k on both sides: --policy none or fixed:K; --rounds >= 1")

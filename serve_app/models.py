@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .config import EMBEDDED, ModelConfig
+from serve_app.config import EMBEDDED, ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +98,8 @@ def display_name(spec: str) -> str:
     if spec.startswith("truncated:") or spec in ("none", "ngram"):
         return spec
     name = spec.rstrip("/").split("/")[-1]
-    from .drafting.eagle3_io import eagle3_id
-    from .drafting.layers import draft_id
+    from serve_app.drafting.eagle3_io import eagle3_id
+    from serve_app.drafting.layers import draft_id
 
     # distilled drafts and EAGLE-3 heads: name@weights-hash, so a re-trained one is told apart
     ident = draft_id(spec) or eagle3_id(spec)
@@ -115,7 +115,7 @@ def load_draft(spec: str, target: nn.Module, tokenizer, dtype: str = "float32", 
     """A draft for `target`: `truncated:N`, `ngram` (prompt lookup, no model), a distilled draft or EAGLE-3
     head directory (either format: drafting/eagle3_io.py), or a separate model whose vocabulary must match."""
     if spec == "ngram":
-        from .drafting.ngram import NgramDraft
+        from serve_app.drafting.ngram import NgramDraft
 
         return NgramDraft()
     if spec.startswith("truncated:"):
@@ -125,8 +125,8 @@ def load_draft(spec: str, target: nn.Module, tokenizer, dtype: str = "float32", 
         return truncated_draft(target, int(n))
     if spec == EMBEDDED:
         spec = embedded_source()
-    from .drafting.eagle3_io import is_eagle3_dir, load_eagle3_dir
-    from .drafting.layers import is_draft_dir, load_draft_dir
+    from serve_app.drafting.eagle3_io import is_eagle3_dir, load_eagle3_dir
+    from serve_app.drafting.layers import is_draft_dir, load_draft_dir
 
     if is_eagle3_dir(spec):  # before is_draft_dir: specserve's EAGLE-3 format shares its file names
         return load_eagle3_dir(spec, target)

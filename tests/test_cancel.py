@@ -18,8 +18,8 @@ from starlette.requests import ClientDisconnect
 
 from conftest import IdTokenizer
 from serve_app.config import EngineConfig, SamplingParams
-from serve_app.scheduler import Engine
-from serve_app.worker import ModelWorker
+from serve_app.engine.scheduler import Engine
+from serve_app.engine.worker import ModelWorker
 
 LONG = [1, 2, 3]  # prompt of the request that holds the only batch slot
 QUEUED = [[5] * 11, list(range(10, 40)), [7, 8], [42]]

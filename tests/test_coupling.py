@@ -9,7 +9,7 @@ import torch
 from test_engine import PROMPTS, make_engine
 
 from serve_app.config import SamplingParams
-from serve_app.speculative import coupled_choice, coupling_noise, warp_probs
+from serve_app.engine.speculative import coupled_choice, coupling_noise, warp_probs
 
 
 def test_coupled_choice_samples_exactly_from_p():

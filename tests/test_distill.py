@@ -10,8 +10,8 @@ from serve_app.config import EngineConfig, SamplingParams
 from serve_app.drafting.distill import continue_prompts, distill, make_data, seed_prompts
 from serve_app.drafting.layers import CONFIG_FILE, WEIGHTS_FILE, load_draft_dir
 from serve_app.models import load_draft
-from serve_app.scheduler import Engine
-from serve_app.worker import ModelWorker
+from serve_app.engine.scheduler import Engine
+from serve_app.engine.worker import ModelWorker
 
 
 @pytest.fixture(scope="module")

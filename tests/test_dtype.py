@@ -35,7 +35,7 @@ def test_auto_is_the_default_and_can_be_pinned(monkeypatch, tiny_model_dirs):
 
 
 def test_a_target_worker_reports_its_resolved_dtype(unpinned, monkeypatch, tiny_model_dirs):
-    from serve_app.worker import ModelWorker
+    from serve_app.engine.worker import ModelWorker
 
     monkeypatch.setattr(models, "cpu_has_bf16", lambda: True)
     target, _, _ = load_target(tiny_model_dirs["target"], "auto")

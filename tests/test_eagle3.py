@@ -8,9 +8,9 @@ from serve_app.config import EngineConfig, SamplingParams
 from serve_app.drafting import draft_worker
 from serve_app.drafting.eagle3 import Eagle3Draft
 from serve_app.drafting.eagle3_worker import EagleWorker
-from serve_app.scheduler import Engine
-from serve_app.speculative import warp_probs
-from serve_app.worker import ModelWorker, Proposal
+from serve_app.engine.scheduler import Engine
+from serve_app.engine.speculative import warp_probs
+from serve_app.engine.worker import ModelWorker, Proposal
 
 LAYERS = [0, 1, 2]  # the tiny target has 2 layers; 2 = the output of the last one, before the final norm
 PROMPTS = [[1, 2, 3], [5] * 11, list(range(10, 40)), [7, 8], [42], list(range(60, 50, -1))]
@@ -153,7 +153,7 @@ def test_rows_that_never_drafted_can_leave(target, draft):
     """Under k = 0 (a profile's choice at large batches) the draft runs no forward, so its cache never
     grows to the rows that joined meanwhile; sequences leaving must still compact the rows (this crashed
     the engine under time-varying load)."""
-    from serve_app.policy import FixedK
+    from serve_app.engine.policy import FixedK
 
     class SmallBatchesOnly(FixedK):  # speculate at batch <= 2, as a profile's table does on small batches
         def choose(self, state):

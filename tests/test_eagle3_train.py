@@ -13,8 +13,8 @@ from serve_app.drafting import draft_worker
 from serve_app.drafting.distill import continue_prompts, make_data, token_set
 from serve_app.drafting.eagle3 import Eagle3Draft
 from serve_app.drafting.eagle3_train import eagle_batches, train_eagle3, unroll
-from serve_app.scheduler import Engine
-from serve_app.worker import ModelWorker
+from serve_app.engine.scheduler import Engine
+from serve_app.engine.worker import ModelWorker
 
 
 def test_unrolled_training_steps_equal_what_the_draft_computes_when_serving():

@@ -9,8 +9,8 @@ from serve_app.drafting import draft_worker
 from serve_app.drafting.eagle3 import Eagle3Draft
 from serve_app.models import EMBEDDED_DRAFT, EMBEDDED_LAYERS_DRAFT, embedded_gguf, load_draft, load_models, truncated_draft
 from serve_app.prompts import encode_chat
-from serve_app.scheduler import Engine
-from serve_app.worker import ModelWorker
+from serve_app.engine.scheduler import Engine
+from serve_app.engine.worker import ModelWorker
 
 pytestmark = pytest.mark.embedded
 

@@ -8,8 +8,8 @@ from pydantic import ValidationError
 
 from conftest import IdTokenizer, tiny_llama
 from serve_app.config import EngineConfig, SamplingParams
-from serve_app.scheduler import Engine
-from serve_app.worker import ModelWorker
+from serve_app.engine.scheduler import Engine
+from serve_app.engine.worker import ModelWorker
 
 PROMPTS = [[1, 2, 3], [5] * 11, list(range(10, 40)), [7, 8], [42], list(range(60, 50, -1))]
 

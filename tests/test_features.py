@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from serve_app.config import SamplingParams
-from serve_app.worker import ModelWorker, Proposal
+from serve_app.engine.worker import ModelWorker, Proposal
 
 
 def hf_states(model, tokens, layers):

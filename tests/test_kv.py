@@ -3,8 +3,8 @@
 import torch
 
 from serve_app.config import SamplingParams
-from serve_app.kv import causal_mask, compact_rows, ragged_inputs
-from serve_app.worker import ModelWorker
+from serve_app.engine.kv import causal_mask, compact_rows, ragged_inputs
+from serve_app.engine.worker import ModelWorker
 
 
 def test_ragged_inputs_left_pad_with_positions_past_real_tokens():
@@ -46,7 +46,7 @@ def test_worker_keeps_survivors_kv_when_many_leave_at_once(tiny_target):
 
 def test_rollback_is_only_a_length(tiny_target):
     """After a rejected draft, the KV row keeps its storage; only kv_len moves back."""
-    from serve_app.worker import Proposal
+    from serve_app.engine.worker import Proposal
 
     w = ModelWorker(tiny_target, "target")
     w.add(["s"], [[1, 2, 3]], [SamplingParams()])
@@ -63,7 +63,7 @@ def test_rollback_is_only_a_length(tiny_target):
 
 
 def _empty(b):
-    from serve_app.worker import Proposal
+    from serve_app.engine.worker import Proposal
 
     return Proposal(torch.zeros((b, 0), dtype=torch.long))
 
@@ -74,7 +74,7 @@ def _row(w, sid):
 
 
 def test_proposal_travels_sparse_when_support_is_small_and_densifies_exactly():
-    from serve_app.worker import Proposal
+    from serve_app.engine.worker import Proposal
 
     probs = torch.zeros(2, 3, 40)
     probs[..., 5], probs[..., 7] = 0.75, 0.25

@@ -12,11 +12,11 @@ from serve_app.cli import main
 from serve_app.config import EngineConfig, ModelConfig, SamplingParams
 from serve_app.drafting import draft_worker
 from serve_app.drafting.ngram import NgramDraft, NgramWorker
-from serve_app.kv import compact_rows
+from serve_app.engine.kv import compact_rows
 from serve_app.models import display_name, load_draft, model_names
-from serve_app.scheduler import Engine
-from serve_app.speculative import warp_probs
-from serve_app.worker import ModelWorker
+from serve_app.engine.scheduler import Engine
+from serve_app.engine.speculative import warp_probs
+from serve_app.engine.worker import ModelWorker
 
 PROMPTS = [[1, 2, 3], [5] * 11, list(range(10, 40)), [7, 8], [42], [5, 6, 7, 8] * 5, list(range(60, 50, -1))]
 

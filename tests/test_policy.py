@@ -2,8 +2,8 @@
 
 import pytest
 
-from serve_app.policy import BatchState, FixedK, NoSpeculation, make_policy
-from serve_app.stats import StepStats
+from serve_app.engine.policy import BatchState, FixedK, NoSpeculation, make_policy
+from serve_app.engine.stats import StepStats
 
 
 def test_make_policy_forms():
@@ -39,7 +39,7 @@ def test_step_stats_acceptance_rate():
 
 
 def test_lut_uses_nearest_profiled_batch_size_and_clamps_at_the_ends():
-    from serve_app.policy import LookupTable
+    from serve_app.engine.policy import LookupTable
 
     lut = LookupTable({1: 5, 4: 3, 16: 2, 32: 1})
     pick = {b: lut.choose(BatchState(batch_size=b, max_k=8)) for b in (1, 2, 3, 4, 9, 10, 11, 24, 25, 64)}
@@ -49,7 +49,7 @@ def test_lut_uses_nearest_profiled_batch_size_and_clamps_at_the_ends():
 
 
 def test_lut_needs_a_profile():
-    from serve_app.profiles import Profile
+    from serve_app.profiling.profiles import Profile
 
     with pytest.raises(ValueError, match="needs a profile"):
         make_policy("lut")
@@ -58,8 +58,8 @@ def test_lut_needs_a_profile():
 
 
 # ---- adaptive: goodput from a latency grid and a live acceptance estimate ------------------------
-from serve_app.policy import Adaptive  # noqa: E402
-from serve_app.profiles import LatencyGrid, expected_tokens  # noqa: E402
+from serve_app.engine.policy import Adaptive  # noqa: E402
+from serve_app.profiling.profiles import LatencyGrid, expected_tokens  # noqa: E402
 
 
 def hand_grid() -> LatencyGrid:
@@ -162,7 +162,7 @@ def test_adaptive_interpolates_between_profiled_batch_sizes():
 
 
 def test_make_policy_adaptive_needs_a_measured_profile():
-    from serve_app.profiles import Profile
+    from serve_app.profiling.profiles import Profile
 
     table_only = Profile(gpu_type="x", target="t", draft="d", best_k={1: 3})
     with pytest.raises(ValueError, match="latency grid"):

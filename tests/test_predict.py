@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve_app.profiles import (Prediction, Profile, gpu_type_name, load_profile, load_profiles, replaces,
+from serve_app.profiling.profiles import (Prediction, Profile, gpu_type_name, load_profile, load_profiles, replaces,
                                 save_profile)
-from serve_app.roofline import (GPUS, SHAPES, GpuSpec, ModelShape, Overheads, acceptance_for, forward_cost, forward_ms,
+from serve_app.profiling.roofline import (GPUS, SHAPES, GpuSpec, ModelShape, Overheads, acceptance_for, forward_cost, forward_ms,
                                 gpu_spec, model_shape, predict_for, predict_grid, predict_profile, smooth_max)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -287,7 +287,7 @@ def test_committed_predictions_are_for_the_manifests_pair_and_reproducible():
 
 # ---- the CPU check's pieces (the measurement itself is left to `specserve profile --check-prediction`)
 def test_fitted_overheads_recover_a_grid_the_model_made_and_compare_finds_no_error():
-    from serve_app.roofline import compare, fit_overheads
+    from serve_app.profiling.roofline import compare, fit_overheads
 
     draft = TINY.model_copy(update={"layers": 1})
     made = EXACT.model_copy(update={"forward_base_ms": 0.7, "forward_per_layer_ms": 0.3, "step_ms": 0.2, "step_per_seq_ms": 0.05})
@@ -302,7 +302,7 @@ def test_fitted_overheads_recover_a_grid_the_model_made_and_compare_finds_no_err
 
 def test_the_check_refuses_before_measuring_anything(capsys):
     from serve_app.cli import main
-    from serve_app.roofline import check_for
+    from serve_app.profiling.roofline import check_for
 
     with pytest.raises(ValueError, match="compares with a measured latency grid"):
         check_for(str(ROOT / "profiles" / "NVIDIA_L4.json"), *K8S_PAIR, 512)

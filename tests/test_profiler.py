@@ -7,7 +7,7 @@ import random
 import pytest
 
 from serve_app.cli import main
-from serve_app.profiles import load_profile
+from serve_app.profiling.profiles import load_profile
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def test_latency_visits_every_k_per_round_in_a_shuffled_order_two_steps_each(tin
     from serve_app import profiler
     from serve_app.config import ModelConfig
     from serve_app.models import load_models
-    from serve_app.policy import FixedK
+    from serve_app.engine.policy import FixedK
 
     chosen = []
 
@@ -115,7 +115,7 @@ def test_bench_policies_runs_every_experiment(tmp_path, tiny_model_dirs, tiny_pr
     from serve_app.bench import policies as bp
     from serve_app.config import ModelConfig
     from serve_app.models import load_models
-    from serve_app.profiles import load_profile
+    from serve_app.profiling.profiles import load_profile
 
     models = load_models(ModelConfig(target=tiny_model_dirs["target"], draft=tiny_model_dirs["draft"]))
     res = bp.bench_policies(models, load_profile(tiny_profile), str(tmp_path / "r"), [1, 2], max_k=2, scale=0.05)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from serve_app.profiles import Profile, detect_gpu_type, load_profile, load_profiles
+from serve_app.profiling.profiles import Profile, detect_gpu_type, load_profile, load_profiles
 
 
 def test_round_trip_and_sorted_table(tmp_path):
@@ -37,7 +37,7 @@ def test_cpu_hardware_type_names_core_count():
 
 
 # ---- measured profiles: latency grid, acceptance, derived table ------------------------------------
-from serve_app.profiles import LatencyGrid, best_k_table, fit_acceptance_rate, save_profile  # noqa: E402
+from serve_app.profiling.profiles import LatencyGrid, best_k_table, fit_acceptance_rate, save_profile  # noqa: E402
 
 
 def measured(**over) -> dict:
@@ -99,7 +99,7 @@ def test_committed_profiles_are_usable_for_the_embedded_pair():
 
     from serve_app.config import ModelConfig
     from serve_app.models import model_names
-    from serve_app.policy import BatchState, make_policy
+    from serve_app.engine.policy import BatchState, make_policy
 
     profiles = load_profiles(Path(__file__).resolve().parent.parent / "profiles")
     assert "cpu-2core" in profiles

@@ -556,7 +556,7 @@ def offline_chat(service, messages, max_tokens=12):
     from serve_app.config import EngineConfig, ModelConfig, SamplingParams
     from serve_app.models import load_models
     from serve_app.prompts import encode_chat
-    from serve_app.scheduler import Engine
+    from serve_app.engine.scheduler import Engine
 
     models = load_models(ModelConfig(**{**service["model"], "draft": "none"}))
     engine = Engine.from_models(models, EngineConfig())

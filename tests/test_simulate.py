@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from serve_app.profiles import LatencyGrid, Profile
-from serve_app.simulate import simulate
+from serve_app.profiling.profiles import LatencyGrid, Profile
+from serve_app.sim.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,7 +137,7 @@ def test_validation_flags_errors_and_orders_and_runs_on_a_tiny_pair(tiny_model_d
 
 
 def test_waterfill_matches_sending_each_request_to_the_least_loaded_replica():
-    from serve_app.fleetsim import waterfill
+    from serve_app.sim.fleetsim import waterfill
 
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -153,7 +153,7 @@ def test_waterfill_matches_sending_each_request_to_the_least_loaded_replica():
 def test_fleet_engine_agrees_with_the_step_engine(policy):
     """The vectorised engine against the exact one on 4 replicas of the committed CPU profile, at a load
     that keeps them batching (mean latency, TTFT, goodput within 10%), and conservation in both."""
-    from serve_app.fleetsim import simulate_fleet
+    from serve_app.sim.fleetsim import simulate_fleet
 
     profile = Profile.model_validate(json.loads((ROOT / "profiles" / "cpu-2core.json").read_text()))
     rng = np.random.default_rng(0)
@@ -177,7 +177,7 @@ def test_routing_counts_replicas_per_group(engine):
     """The ingress compares groups by requests in flight per replica: a 1-replica group next to a
     5-replica one gets about a sixth of the traffic. Comparing totals (group-total) would hand it half
     of everything in flight, and its requests would queue."""
-    from serve_app.fleetsim import simulate_fleet
+    from serve_app.sim.fleetsim import simulate_fleet
 
     profiles = {"a": grid_profile("a", (0.6,)), "b": grid_profile("b", (0.6,))}
     kw = dict(users_at=lambda t: 24, duration_s=30, prompt_tokens=8, output_tokens=20, max_batch=4)

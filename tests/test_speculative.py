@@ -2,7 +2,7 @@
 
 import torch
 
-from serve_app.speculative import accept_greedy, accept_sampled, sample, warp_probs
+from serve_app.engine.speculative import accept_greedy, accept_sampled, sample, warp_probs
 
 
 def onehot(tokens, vocab=6):

@@ -1,6 +1,6 @@
 """Streaming text: stop strings across token boundaries, held-back partial text."""
 
-from serve_app.textstream import TextStream
+from serve_app.engine.textstream import TextStream
 
 
 class CharTok:

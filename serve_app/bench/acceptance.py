@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from tqdm import tqdm
 
-from ..config import ModelConfig
-from ..models import load_models
-from .prompt_sets import EVAL_SETS, chat_prompts
-from .engine import engine_run
+from serve_app.config import ModelConfig
+from serve_app.models import load_models
+from serve_app.bench.prompt_sets import EVAL_SETS, chat_prompts
+from serve_app.bench.engine import engine_run
 
 
 def bench_acceptance(mc: ModelConfig, k: int, max_tokens: int, batch: int, temperature: float = 0.0) -> tuple[dict, str]:

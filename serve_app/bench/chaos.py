@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import httpx
 from tqdm import tqdm
 
-from ..config import ModelConfig
-from .prompt_sets import BENCH_PROMPTS
+from serve_app.config import ModelConfig
+from serve_app.bench.prompt_sets import BENCH_PROMPTS
 
 APP = "specserve"
 

@@ -21,11 +21,11 @@ import time
 import torch
 from tqdm import tqdm
 
-from ..config import EngineConfig, ModelConfig, SamplingParams
-from ..models import load_models, load_target
-from .prompt_sets import BENCH_PROMPTS, chat_prompts
-from ..scheduler import Engine
-from .rounds import fmt_ratio, rotated, summary
+from serve_app.config import EngineConfig, ModelConfig, SamplingParams
+from serve_app.models import load_models, load_target
+from serve_app.bench.prompt_sets import BENCH_PROMPTS, chat_prompts
+from serve_app.engine.scheduler import Engine
+from serve_app.bench.rounds import fmt_ratio, rotated, summary
 
 
 def hf_generate(model, prompts: list[list[int]], max_tokens: int, bar: tqdm) -> tuple[list[float], list[list[int]]]:

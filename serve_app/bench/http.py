@@ -15,11 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tqdm import tqdm
 
-from ..config import EngineConfig, ModelConfig, SamplingParams
-from ..models import load_models
-from .prompt_sets import BENCH_PROMPTS, chat_prompts
-from ..scheduler import Engine
-from .rounds import fmt_ratio, rotated, summary
+from serve_app.config import EngineConfig, ModelConfig, SamplingParams
+from serve_app.models import load_models
+from serve_app.bench.prompt_sets import BENCH_PROMPTS, chat_prompts
+from serve_app.engine.scheduler import Engine
+from serve_app.bench.rounds import fmt_ratio, rotated, summary
 
 
 def bench_http(mc: ModelConfig, policy: str, max_tokens: int, concurrency: int, n_requests: int, port: int,

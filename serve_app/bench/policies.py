@@ -26,14 +26,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..config import EngineConfig, SamplingParams
-from ..models import LoadedModels
-from ..policy import BatchState, make_policy
-from ..profiles import Profile
-from .prompt_sets import BENCH_PROMPTS, CREATIVE_PROMPTS, STRUCTURED_PROMPTS, chat_prompts
-from ..scheduler import Engine
-from ..stats import StepStats
-from .rounds import provenance
+from serve_app.config import EngineConfig, SamplingParams
+from serve_app.models import LoadedModels
+from serve_app.engine.policy import BatchState, make_policy
+from serve_app.profiling.profiles import Profile
+from serve_app.bench.prompt_sets import BENCH_PROMPTS, CREATIVE_PROMPTS, STRUCTURED_PROMPTS, chat_prompts
+from serve_app.engine.scheduler import Engine
+from serve_app.engine.stats import StepStats
+from serve_app.bench.rounds import provenance
 
 LATENCY_PROMPTS = BENCH_PROMPTS + CREATIVE_PROMPTS
 

@@ -13,7 +13,7 @@ prompt is an instance of a distillation template (not just a different string of
 
 from __future__ import annotations
 
-from ..prompts import encode_chat
+from serve_app.prompts import encode_chat
 
 BENCH_PROMPTS = [
     "Explain why the sky is blue in two short paragraphs.",

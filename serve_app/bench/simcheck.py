@@ -18,11 +18,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..models import LoadedModels
-from ..profiles import Profile
-from ..simulate import simulate
-from .policies import Job, _run, varying_jobs
-from .rounds import provenance
+from serve_app.models import LoadedModels
+from serve_app.profiling.profiles import Profile
+from serve_app.sim.simulate import simulate
+from serve_app.bench.policies import Job, _run, varying_jobs
+from serve_app.bench.rounds import provenance
 
 
 def discordant_pairs(real: dict[str, float], sim: dict[str, float], tie: float) -> list[tuple[str, str]]:

@@ -20,7 +20,7 @@ propose(ids, k) -> Proposal, commit(ids, new_tokens, features), info(). A draft 
 def draft_worker(draft, pad_id: int = 0):
     """The worker that hosts a loaded draft: a causal LM (layer-copy, truncated, any HF model) runs in
     a ModelWorker; drafts of other kinds bring their own worker class (`draft.worker_class`)."""
-    from ..worker import ModelWorker
+    from serve_app.engine.worker import ModelWorker
 
     cls = getattr(draft, "worker_class", None)
     return cls(draft, pad_id) if cls is not None else ModelWorker(draft, "draft", pad_id)

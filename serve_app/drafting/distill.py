@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .layers import ReducedVocabDraft, save_draft
-from ..prompts import encode_chat
+from serve_app.drafting.layers import ReducedVocabDraft, save_draft
+from serve_app.prompts import encode_chat
 
 TOPICS = [
     "volcanoes", "the moon landing", "photosynthesis", "black holes", "the French revolution", "honey bees",
@@ -357,7 +357,7 @@ def training_prompts(target, tokenizer, prompts: list | None, num_prompts: int |
     cached in work/self_prompts/). Those go last, so the data chunks of a run without them are reused."""
     prompts = list(prompts) if prompts is not None else seed_prompts(seed)[:num_prompts]
     if self_prompts:
-        from .self_prompts import generate_self_prompts, kind_mix
+        from serve_app.drafting.self_prompts import generate_self_prompts, kind_mix
 
         written = generate_self_prompts(target, tokenizer, self_prompts, seed=seed, batch_size=gen_batch_size,
                                         cache_dir=work / "self_prompts")

@@ -62,7 +62,7 @@ class Eagle3Draft(nn.Module):
 
     @property
     def worker_class(self):
-        from .eagle3_worker import EagleWorker
+        from serve_app.drafting.eagle3_worker import EagleWorker
 
         return EagleWorker
 

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .layers import CONFIG_FILE, WEIGHTS_FILE, draft_id, target_fingerprint
+from serve_app.drafting.layers import CONFIG_FILE, WEIGHTS_FILE, draft_id, target_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ def _build(path: Path, target: nn.Module, fields: dict, layers: list[int], targe
     """Check the draft against the target, then assemble it from Eagle3Draft-named weights."""
     from transformers import LlamaConfig
 
-    from .eagle3 import Eagle3Draft
+    from serve_app.drafting.eagle3 import Eagle3Draft
 
     vocab = int(fields["vocab_size"])
     _check_target(path, target, layers, target_hidden, vocab)
@@ -357,7 +357,7 @@ def _json_or_empty(file: Path) -> dict:
 
 
 def _default_layers(target: nn.Module) -> list[int]:
-    from .eagle3 import default_feature_layers
+    from serve_app.drafting.eagle3 import default_feature_layers
 
     return default_feature_layers(len(target.model.layers))
 
@@ -379,7 +379,7 @@ def _cached_sha256(file: str, size: int, mtime_ns: int) -> str:
 
 def _is_default(layers: list[int], num_layers: int) -> bool:
     """Whether `layers` are EAGLE-3's defaults for a target this deep (a shallow target has none)."""
-    from .eagle3 import default_feature_layers
+    from serve_app.drafting.eagle3 import default_feature_layers
 
     try:
         return layers == default_feature_layers(num_layers)

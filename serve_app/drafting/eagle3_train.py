@@ -21,8 +21,8 @@ import torch
 from tqdm import tqdm
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
-from .distill import batch_groups, optimizer_and_resume, reduced_index, soft_loss, token_set
-from .eagle3 import Eagle3Draft
+from serve_app.drafting.distill import batch_groups, optimizer_and_resume, reduced_index, soft_loss, token_set
+from serve_app.drafting.eagle3 import Eagle3Draft
 
 
 def unroll(draft: Eagle3Draft, ids: torch.Tensor, feats: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -148,9 +148,9 @@ def distill_eagle3(target, tokenizer, target_name: str, out_dir: str, num_prompt
                    bf16: bool | None = None, prompts: list | None = None, self_prompts: int = 0) -> dict:
     """The whole EAGLE-3 pipeline; re-running with the same out_dir resumes where it stopped.
     Prompts as in distill.training_prompts."""
-    from .distill import make_data, training_prompts
-    from .eagle3 import default_feature_layers
-    from .eagle3_io import save_eagle3
+    from serve_app.drafting.distill import make_data, training_prompts
+    from serve_app.drafting.eagle3 import default_feature_layers
+    from serve_app.drafting.eagle3_io import save_eagle3
 
     out = Path(out_dir)
     work = out / "work"
@@ -167,7 +167,7 @@ def distill_eagle3(target, tokenizer, target_name: str, out_dir: str, num_prompt
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     draft = Eagle3Draft.from_target(target, token_set(data, num_tokens, eos), layers).cast_own(torch.float32)
     if bf16 is None:
-        from ..models import cpu_has_bf16
+        from serve_app.models import cpu_has_bf16
 
         bf16 = cpu_has_bf16()
     history = train_eagle3(draft, data, epochs, batch_size, lr, seed, steps, ckpt=work / "checkpoint.pt", bf16=bf16)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kv import causal_mask, ragged_inputs
-from ..worker import ModelWorker, Proposal, _backlog_agreement
+from serve_app.engine.kv import causal_mask, ragged_inputs
+from serve_app.engine.worker import ModelWorker, Proposal, _backlog_agreement
 
 
 class EagleWorker(ModelWorker):

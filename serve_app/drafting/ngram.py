@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import SamplingParams
-from ..kv import compact_rows
-from ..profiles import detect_gpu_type
-from ..worker import Proposal, contiguous_rows
+from serve_app.config import SamplingParams
+from serve_app.engine.kv import compact_rows
+from serve_app.profiling.profiles import detect_gpu_type
+from serve_app.engine.worker import Proposal, contiguous_rows
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..config import SamplingParams
-from ..prompts import ROLES, encode_chat
+from serve_app.config import SamplingParams
+from serve_app.prompts import ROLES, encode_chat
 
 # Private-use characters: no real template or message contains them, so the cut point is unambiguous.
 PLACEHOLDER = "\ue000user message\ue000"

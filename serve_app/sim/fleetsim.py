@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .policy import BatchState, make_policy
-from .profiles import Profile
-from .simulate import marginal_acceptance, summarize
-from .stats import StepStats
+from serve_app.engine.policy import BatchState, make_policy
+from serve_app.profiling.profiles import Profile
+from serve_app.sim.summary import marginal_acceptance, summarize
+from serve_app.engine.stats import StepStats
 
 
 @dataclass

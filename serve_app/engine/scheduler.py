@@ -25,12 +25,12 @@ from typing import AsyncIterator, Callable
 
 import torch
 
-from .config import EngineConfig, SamplingParams
-from .kv import compact_rows
-from .policy import BatchState, Policy, make_policy
-from .stats import RequestStats, StepStats
-from .textstream import TextStream
-from .worker import ModelWorker, Proposal
+from serve_app.config import EngineConfig, SamplingParams
+from serve_app.engine.kv import compact_rows
+from serve_app.engine.policy import BatchState, Policy, make_policy
+from serve_app.engine.stats import RequestStats, StepStats
+from serve_app.engine.textstream import TextStream
+from serve_app.engine.worker import ModelWorker, Proposal
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class Engine:
 
     @classmethod
     def from_models(cls, models, config: EngineConfig | None = None, policy: Policy | None = None) -> "Engine":
-        from .drafting import draft_worker
+        from serve_app.drafting import draft_worker
 
         pad = models.tokenizer.pad_token_id or 0
         target = ModelWorker(models.target, "target", pad)

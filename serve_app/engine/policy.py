@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from .profiles import LatencyGrid, expected_tokens
-from .stats import StepStats
+from serve_app.profiling.profiles import LatencyGrid, expected_tokens
+from serve_app.engine.stats import StepStats
 
 
 @dataclass(frozen=True)

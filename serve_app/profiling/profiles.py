@@ -119,7 +119,7 @@ def _interpolate(sizes: list[int], values: list[float], x: float) -> float:
 
 
 class Prediction(BaseModel):
-    """How a predicted profile was made (`serve_app/roofline.py`): the inputs, so a reader can judge it."""
+    """How a predicted profile was made (`serve_app/profiling/roofline.py`): the inputs, so a reader can judge it."""
 
     model_config = ConfigDict(extra="forbid")
 

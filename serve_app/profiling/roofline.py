@@ -33,8 +33,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .config import EMBEDDED
-from .profiles import (LatencyGrid, Prediction, Profile, best_k_table, fit_acceptance_rate, load_profile,
+from serve_app.config import EMBEDDED
+from serve_app.profiling.profiles import (LatencyGrid, Prediction, Profile, best_k_table, fit_acceptance_rate, load_profile,
                        ms_per_token)
 
 BATCH_SIZES = [1, 2, 4, 8, 16, 32]
@@ -336,7 +336,7 @@ def predict_profile(gpu_type: str, hw: GpuSpec, target: tuple[str, ModelShape], 
         gpu_type=gpu_type, target=target[0], draft=draft[0], dtype=dtype, latency=grid, acceptance=per_position,
         acceptance_rate=round(rate, 4), best_k=best_k_table(grid, per_position), source="predicted",
         prediction=prediction,
-        notes=(f"PREDICTED by the roofline model (serve_app/roofline.py), not measured: {hw.name} ({hw.source}); "
+        notes=(f"PREDICTED by the roofline model (serve_app/profiling/roofline.py), not measured: {hw.name} ({hw.source}); "
                f"shapes {target[1].source} and {draft[1].source}; context {context} tokens; acceptance {origin}. "
                "Replace with `specserve profile` on the hardware: a measured profile always wins."),
     )
@@ -347,8 +347,8 @@ def predict_for(gpu_type: str, target: str, draft: str | None, dtype: str, conte
                 overheads: Overheads | None = None) -> Profile:
     """`specserve profile --predict`: the predicted profile of model specs (as --target / --draft take
     them) on a GPU type; ValueError for an unknown GPU type or model, or an unusable acceptance source."""
-    from .config import ModelConfig
-    from .models import draft_spec, model_names
+    from serve_app.config import ModelConfig
+    from serve_app.models import draft_spec, model_names
 
     hw = gpu_spec(gpu_type)
     mc = ModelConfig(target=target, draft=draft)
@@ -512,8 +512,8 @@ def check_for(profile_path: str, target: str, draft: str | None, context: int | 
     """`specserve profile --check-prediction`: measure this machine, fit its overheads, predict the
     measured profile's grid for its own pair and dtype, and compare cell by cell. context: tokens of
     KV cache per sequence; None takes the mean context the profile recorded."""
-    from .config import ModelConfig
-    from .models import draft_spec, model_names
+    from serve_app.config import ModelConfig
+    from serve_app.models import draft_spec, model_names
 
     measured = load_profile(profile_path)
     if measured.source != "measured" or measured.latency is None:

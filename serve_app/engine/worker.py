@@ -20,10 +20,10 @@ from typing import NamedTuple
 
 import torch
 
-from .config import SamplingParams
-from .profiles import detect_gpu_type
-from .kv import SlotKVCache, causal_mask, compact_rows, ragged_inputs
-from .speculative import accept_greedy, accept_sampled, coupled_choice, coupling_noise, sample, warp_probs
+from serve_app.config import SamplingParams
+from serve_app.profiling.profiles import detect_gpu_type
+from serve_app.engine.kv import SlotKVCache, causal_mask, compact_rows, ragged_inputs
+from serve_app.engine.speculative import accept_greedy, accept_sampled, coupled_choice, coupling_noise, sample, warp_probs
 
 
 @dataclass

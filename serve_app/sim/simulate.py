@@ -13,7 +13,7 @@ What is modelled, and how:
   step that admits requests adds their prefill: the profile's measured prefill per prompt token
   at that many admissions (one plain forward in profiles without one). Each sequence gets 1 + accepted tokens, with acceptance drawn position by position
   from the profile's per-position acceptance (extended by its per-token rate past the measured k).
-- k: the real policy objects (`serve_app/policy.py`), told each step's statistics as in the engine.
+- k: the real policy objects (`serve_app/engine/policy.py`), told each step's statistics as in the engine.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
 
-from .policy import BatchState, make_policy
-from .profiles import Profile
-from .stats import StepStats
+from serve_app.engine.policy import BatchState, make_policy
+from serve_app.profiling.profiles import Profile
+from serve_app.engine.stats import StepStats
+from serve_app.sim.summary import marginal_acceptance, summarize
 
 
 @dataclass
@@ -123,30 +123,6 @@ class Replica:
                 break
             n, previous = n + 1, p
         return n
-
-
-def marginal_acceptance(profile: Profile, max_k: int) -> list[float]:
-    """P(draft token i accepted), i < max_k: the profile's measured acceptance per position, extended
-    past the measured positions by its per-token rate."""
-    m = list(profile.acceptance or [])
-    rate = profile.acceptance_rate if profile.acceptance_rate is not None else 0.0
-    while len(m) < max_k:
-        m.append((m[-1] if m else 1.0) * rate)
-    return m[:max_k]
-
-
-def summarize(policy: str, requests: int, e2e, ttft, tpot, output_tokens: int, span_s: float) -> dict:
-    """The figures both engines report: mean and p50/p90/p99 end-to-end latency, TTFT and TPOT of the
-    finished requests (seconds; NaN-free arrays), and goodput over the span."""
-    def pct(x: np.ndarray, q: float) -> float:
-        return float(np.quantile(x, q, method="lower")) if len(x) else float("nan")
-
-    e2e, ttft, tpot = (np.asarray(x, dtype=float) for x in (e2e, ttft, tpot))
-    return {"policy": policy, "requests": requests, "finished": len(e2e),
-            "mean_latency_s": float(e2e.mean()) if len(e2e) else float("nan"),
-            **{f"{name}_p{int(q * 100)}_s": pct(vals, q) for name, vals in (("e2e", e2e), ("ttft", ttft), ("tpot", tpot))
-               for q in (0.5, 0.9, 0.99)},
-            "goodput_tokens_per_s": output_tokens / span_s if span_s > 0 else float("nan")}
 
 
 @dataclass
@@ -286,94 +262,3 @@ def read_trace(path: str) -> list[tuple[float, int, int]]:
     if not rows:
         raise ValueError(f"{path}: no requests")
     return rows
-
-
-def run_simulations(fleet: dict[str, int], profiles: dict[str, Profile], policies: list[str], out_dir: str,
-                    engine: str = "auto", **kwargs) -> tuple[dict, str]:
-    """Every policy on the same fleet and arrivals (same seed); writes out_dir/{results.json, summary.md,
-    k_batch.png}. `engine`: step (every engine step an event), fleet (vectorised ticks, `fleetsim.py`)
-    or auto (fleet above 32 replicas). Returns (results, markdown)."""
-    import json
-    import os
-    import time
-
-    from tqdm import tqdm
-
-    from .bench.rounds import provenance
-    from .fleetsim import simulate_fleet
-
-    if engine == "auto":
-        engine = "fleet" if sum(fleet.values()) > 32 else "step"
-    if engine not in ("step", "fleet"):
-        raise ValueError(f"unknown engine {engine!r}: expected auto, step or fleet")
-    tick_s = kwargs.pop("tick_s", 0.1)
-    route = kwargs.pop("route", "least-loaded")
-    os.makedirs(out_dir, exist_ok=True)
-    results, runs = {}, {}
-    for policy in tqdm(policies, desc=f"simulate ({engine})", unit="policy"):
-        t = time.perf_counter()
-        if engine == "fleet":
-            res = simulate_fleet(fleet, profiles, policy, tick_s=tick_s, route=route, **kwargs)
-        else:
-            res = simulate(fleet, profiles, policy, route=route, **kwargs)
-        wall = time.perf_counter() - t
-        s = res.summary()
-        s["wall_s"] = round(wall, 2)
-        s["steps"] = int(res.steps)
-        served = res.by_hardware()
-        s["by_hardware"] = {g: served.get(g, {"requests": 0, "mean_latency_s": None}) for g in fleet}
-        results[policy], runs[policy] = s, res
-    _plot(runs, os.path.join(out_dir, "k_batch.png"))
-    fleet_text = ", ".join(f"{n} x {g}" for g, n in fleet.items())
-    lines = [f"# specserve simulate: {fleet_text}", "",
-             f"Engine: {engine}" + (f" (ticks of {tick_s} s)" if engine == "fleet" else " (every engine step)")
-             + f"; routing: {route}.", "",
-             "| policy | requests | mean latency (s) | e2e p50 / p90 / p99 (s) | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) "
-             "| goodput (tokens/s) | simulated steps | wall (s) |", "|---|---|---|---|---|---|---|---|---|"]
-    for p, s in results.items():
-        lines.append(f"| {p} | {s['finished']} | {s['mean_latency_s']:.3f} | {s['e2e_p50_s']:.2f} / {s['e2e_p90_s']:.2f} / "
-                     f"{s['e2e_p99_s']:.2f} | {s['ttft_p50_s']:.3f} / {s['ttft_p99_s']:.3f} | "
-                     f"{s['tpot_p50_s'] * 1000:.1f} / {s['tpot_p99_s'] * 1000:.1f} | {s['goodput_tokens_per_s']:.1f} | "
-                     f"{s['steps']} | {s['wall_s']} |")
-    lines += ["", "Requests and mean latency (s) per hardware type:", "", "| policy | " + " | ".join(fleet) + " |",
-              "|---|" + "---|" * len(fleet)]
-    for p, s in results.items():
-        cells = [s["by_hardware"][g] for g in fleet]
-        lines.append(f"| {p} | " + " | ".join("-" if not c["requests"] else f"{c['requests']} / {c['mean_latency_s']:.3f}"
-                                             for c in cells) + " |")
-    lines += ["", "![k and batch size over time](k_batch.png)"]
-    markdown = "\n".join(lines) + "\n"
-    prov = provenance()
-    markdown = f"<!-- written by {prov['command'] or 'run_simulations()'} on {prov['created']} -->\n" + markdown
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump({"fleet": fleet, "engine": engine, "route": route, "policies": results, "provenance": prov}, f, indent=1)
-    with open(os.path.join(out_dir, "summary.md"), "w") as f:
-        f.write(markdown)
-    return results, markdown
-
-
-def _plot(runs: dict, path: str) -> None:
-    """Mean batch size and mean k of busy replicas per second, a colour per policy, a line style per
-    hardware type."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    styles = ["-", "--", ":", "-."]
-    fig, (ax_b, ax_k) = plt.subplots(2, 1, figsize=(10, 7.5), sharex=True)
-    for c, (policy, res) in enumerate(runs.items()):
-        series = res.series()
-        for i, (group, (xs, batch, ks)) in enumerate(sorted(series.items())):
-            label = policy if len(series) == 1 else f"{policy} @ {group}"
-            kw = dict(color=f"C{c % 10}", linestyle=styles[i % len(styles)], linewidth=1.2)
-            ax_b.plot(xs, batch, label=label, **kw)
-            ax_k.plot(xs, ks, label=label, **kw)
-    ax_b.set(ylabel="mean batch size", title="simulated: batch size and k chosen, per second (busy replicas)")
-    ax_k.set(ylabel="mean k", xlabel="simulated seconds")
-    for ax in (ax_b, ax_k):
-        ax.grid(alpha=0.3)
-    ax_k.legend(ncol=4, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2))  # below: the lines stay visible
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

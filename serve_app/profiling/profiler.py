@@ -23,14 +23,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .config import EngineConfig, ModelConfig, SamplingParams
-from .models import LoadedModels, load_models, model_names, resolve_dtype
-from .policy import FixedK
-from .bench.prompt_sets import PROFILE_PROMPTS, chat_prompts
-from .profiles import (LatencyGrid, Profile, best_k_table, detect_gpu_type, fit_acceptance_rate, ms_per_token,
+from serve_app.config import EngineConfig, ModelConfig, SamplingParams
+from serve_app.models import LoadedModels, load_models, model_names, resolve_dtype
+from serve_app.engine.policy import FixedK
+from serve_app.bench.prompt_sets import PROFILE_PROMPTS, chat_prompts
+from serve_app.profiling.profiles import (LatencyGrid, Profile, best_k_table, detect_gpu_type, fit_acceptance_rate, ms_per_token,
                        save_profile)
-from .scheduler import Engine
-from .stats import StepStats
+from serve_app.engine.scheduler import Engine
+from serve_app.engine.stats import StepStats
 
 
 def _engine(models: LoadedModels, batch: int, max_k: int, kv_tokens: int) -> Engine:
@@ -218,7 +218,7 @@ def plot_profile(profile: Profile, path: str | Path) -> None:
     ax2.set_ylabel("P(draft token i accepted)")
     ax2.set_title(f"acceptance; E[tokens/step] at k={len(acc)}: {1 + sum(acc):.2f}")
     ax2.legend(fontsize=8)
-    kind = "\nPREDICTED by the roofline model (serve_app/roofline.py), not measured" if profile.source == "predicted" else ""
+    kind = "\nPREDICTED by the roofline model (serve_app/profiling/roofline.py), not measured" if profile.source == "predicted" else ""
     fig.suptitle(f"{profile.gpu_type}: target {profile.target}, draft {profile.draft} ({profile.dtype}, {profile.created[:10]}){kind}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
