@@ -25,7 +25,8 @@ class GroupConfig(BaseModel):
     worker_cpus: float = Field(1, gt=0)
     """CPUs reserved per worker actor."""
     torch_threads: int = Field(0, ge=0)
-    """torch threads per worker actor; 0: all of the node's cores (Ray would otherwise give torch
+    """torch threads per worker actor; 0: all the CPUs the actor's process may use, its cores capped
+    by its container's CPU quota (serve_app.hardware.available_cpus; Ray would otherwise give torch
     only the actor's num_cpus). The draft and target of a pair compute one after the other."""
     num_replicas: int = Field(1, ge=1)
     """Router replicas (each with its own draft + target pair)."""

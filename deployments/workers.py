@@ -2,22 +2,26 @@
 
 The target wraps `serve_app.engine.worker.ModelWorker`, the draft whatever worker its kind needs
 (`serve_app.drafting.draft_worker`); the Router talks to them through `RemoteWorker`, a proxy with
-the same methods, so the engine's step runs unchanged across actors. Per step only token ids (and,
-when sampling, the draft's distributions, sparse when top-k/top-p allow; for an EAGLE-style draft,
-the target's features of the positions it made final) cross between them.
+the same methods, so the engine's step runs unchanged across actors. Per step only token ids and a
+few numbers per drafted position pass through the Router (for a sampled row, the draft's proposal
+over its own top-N tokens). An EAGLE-style draft's features, the target's hidden states of the
+positions it made final, go from the target's actor to the draft's directly: the target puts them in
+Ray's object store and the Router passes on only the reference.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 
 import ray
 import torch
 
 from serve_app.config import ModelConfig
 from serve_app.drafting import draft_worker
-from serve_app.models import draft_spec, load_draft, load_target
-from serve_app.engine.worker import ModelWorker
+from serve_app.engine.worker import ModelWorker, Verdict
+from serve_app.models import load_target
 
 
 class _ModelHost:
@@ -26,18 +30,39 @@ class _ModelHost:
     role = ""
 
     def __init__(self, model: dict, torch_threads: int = 0):
-        # Ray sets OMP_NUM_THREADS to the actor's num_cpus (1), which would leave torch one core.
-        torch.set_num_threads(torch_threads or os.cpu_count() or 1)
+        from serve_app.hardware import available_cpus
+        from serve_app.models import load_draft_for_host
+
+        # Ray sets OMP_NUM_THREADS to the actor's num_cpus (1), which would leave torch one core; the
+        # machine's count (os.cpu_count()) would be the node's cores in a pod limited to a few.
+        torch.set_num_threads(torch_threads or available_cpus())
         mc = ModelConfig(**model)
-        target, tokenizer, _ = load_target(mc.target, mc.dtype, mc.device)
-        pad = tokenizer.pad_token_id or 0
         if self.role == "target":
-            self.worker = ModelWorker(target, "target", pad)
-        else:
-            self.worker = draft_worker(load_draft(draft_spec(mc), target, tokenizer, mc.dtype, mc.device), pad)
+            target, tokenizer, _ = load_target(mc.target, mc.dtype, mc.device)
+            self.worker = ModelWorker(target, "target", tokenizer.pad_token_id or 0)
+        else:  # the target's weights only if the draft is built from them (not for ngram, a separate model)
+            draft, tokenizer = load_draft_for_host(mc)
+            self.worker = draft_worker(draft, tokenizer.pad_token_id or 0)
+
+        self.direct_bytes = 0
 
     def call(self, method: str, *args):
         return getattr(self.worker, method)(*args)
+
+    def verify(self, seq_ids, proposal) -> Verdict:
+        """The target's verification; features (for an EAGLE-style draft) go into this node's object
+        store and only their reference returns, so they reach the draft's actor without a Router hop."""
+        verdict = self.worker.verify(seq_ids, proposal)
+        if verdict.features is None:
+            return verdict
+        self.direct_bytes += sum(f.numel() * f.element_size() for f in verdict.features)
+        return verdict._replace(features=ray.put(verdict.features))
+
+    def take_timings(self) -> dict:
+        out = self.worker.take_timings()
+        out["direct_bytes"] += self.direct_bytes
+        self.direct_bytes = 0
+        return out
 
     def ping(self) -> bool:
         return True
@@ -60,15 +85,26 @@ class RemoteWorker:
     """ModelWorker's interface over a worker actor (blocking calls, made from the engine's thread).
 
     A dead or stuck actor raises here (RayActorError / GetTimeoutError), which fails the step and
-    ends its requests with an error instead of hanging.
+    ends its requests with an error instead of hanging. With count_bytes, `bytes_sent` and
+    `bytes_received` add up the serialized size of what crossed between the engine's process and the
+    actor (benchmarks; off by default because measuring is a second serialization).
     """
 
-    def __init__(self, actor, timeout_s: float = 120.0):
+    def __init__(self, actor, timeout_s: float = 120.0, count_bytes: bool = False):
         self.actor = actor
         self.timeout_s = timeout_s
+        self.count_bytes = count_bytes
+        self.bytes_sent = self.bytes_received = 0
 
     def _call(self, method: str, *args):
-        return ray.get(self.actor.call.remote(method, *args), timeout=self.timeout_s)
+        return self._get(self.actor.call.remote(method, *args), args)
+
+    def _get(self, ref, args):
+        out = ray.get(ref, timeout=self.timeout_s)
+        if self.count_bytes:
+            self.bytes_sent += serialized_size(args)
+            self.bytes_received += serialized_size(out)
+        return out
 
     def add(self, seq_ids, prompts, params):
         return self._call("add", seq_ids, prompts, params)
@@ -86,7 +122,9 @@ class RemoteWorker:
         return self._call("propose", seq_ids, k)
 
     def verify(self, seq_ids, proposal):
-        return self._call("verify", seq_ids, proposal)
+        """The Verdict's features, if any, stay a reference: `commit` / `prefill` hand it to the draft's
+        actor, which Ray gives the tensors from the target's node directly."""
+        return self._get(self.actor.verify.remote(seq_ids, proposal), (seq_ids, proposal))
 
     def commit(self, seq_ids, new_tokens, features=None):
         return self._call("commit", seq_ids, new_tokens, features)
@@ -94,5 +132,22 @@ class RemoteWorker:
     def capture_features(self, layers):
         return self._call("capture_features", layers)
 
+    def take_timings(self) -> dict:
+        return ray.get(self.actor.take_timings.remote(), timeout=self.timeout_s)
+
     def info(self) -> dict:
         return self._call("info")
+
+
+class _RefsAsTags(pickle.Pickler):
+    """Pickles as Ray would ship it through this process: an ObjectRef is a reference, not its data."""
+
+    def persistent_id(self, obj):
+        return "ref" if isinstance(obj, ray.ObjectRef) else None
+
+
+def serialized_size(obj) -> int:
+    """Bytes of obj pickled (tensors with their data; ObjectRefs as references)."""
+    buf = io.BytesIO()
+    _RefsAsTags(buf, protocol=5).dump(obj)
+    return buf.tell()

@@ -27,7 +27,8 @@ class ModelConfig(BaseModel):
 
     dtype: str = "auto"
     """Weights dtype: auto, float32, bfloat16, float16 or float64. `auto` is bfloat16 on hardware with
-    native bfloat16 (recent GPUs, CPUs with avx512_bf16/AMX) and float32 elsewhere (models.resolve_dtype)."""
+    native bfloat16 (CUDA compute capability 8.0+, CPUs with avx512_bf16/AMX), float16 on older CUDA GPUs
+    with tensor cores (7.x: V100, T4) and float32 elsewhere (models.resolve_dtype)."""
 
     device: str = "cpu"
     """Device: cpu, cuda, cuda:N, or `auto` (accelerate device_map) for models larger than one GPU."""

@@ -37,10 +37,14 @@ def cpu_has_bf16() -> bool:
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> str:
     """The concrete dtype for `dtype` on `device`. `auto`: bfloat16 where the hardware computes it
-    natively (CUDA GPUs that support it, CPUs with avx512_bf16/AMX: about half the memory traffic of a
-    float32 forward, which is what batch-1 decoding waits on), float32 elsewhere. The environment
-    variable SPECSERVE_AUTO_DTYPE pins what `auto` means on a machine (the test suite pins float32,
-    whose greedy outputs are bit-exact across batch shapes)."""
+    natively (CUDA GPUs of compute capability 8.0 or more, CPUs with avx512_bf16/AMX: about half the
+    memory traffic of a float32 forward, which is what batch-1 decoding waits on); float16 on older
+    CUDA GPUs with tensor cores (capability 7.x: V100, T4), which only emulate bfloat16, slowly, and
+    run float16 at full speed (vLLM makes the same choice; a model trained in bfloat16 can overflow
+    float16's range, where `--dtype float32` is the way out); float32 elsewhere (older GPUs, CPUs
+    without bf16). `torch.cuda.is_bf16_supported()` is not asked: it says yes to emulation too.
+    The environment variable SPECSERVE_AUTO_DTYPE pins what `auto` means on a machine (the test
+    suite pins float32, whose greedy outputs are bit-exact across batch shapes)."""
     if dtype != "auto":
         return dtype
     pinned = os.environ.get("SPECSERVE_AUTO_DTYPE")
@@ -49,8 +53,14 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> str:
             raise ValueError(f"SPECSERVE_AUTO_DTYPE={pinned!r}: use one of {sorted(DTYPES)}")
         return pinned
     if device != "cpu" and torch.cuda.is_available():
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+        # `auto` (device_map="auto") starts on the current device; "cuda:N" names its own
+        capability = torch.cuda.get_device_capability(None if device == "auto" else device)
+        if capability >= (8, 0):
+            return "bfloat16"
+        return "float16" if capability >= (7, 0) else "float32"
     return "bfloat16" if cpu_has_bf16() else "float32"
+
+
 EMBEDDED_DRAFT = Path(__file__).parent / "drafts" / "smollm2-135m-instruct-eagle3"
 """The embedded target's default draft: an EAGLE-3 head (`specserve distill --method eagle3`)."""
 EMBEDDED_LAYERS_DRAFT = Path(__file__).parent / "drafts" / "smollm2-135m-instruct"
@@ -111,13 +121,19 @@ def model_names(cfg: ModelConfig) -> tuple[str, str]:
     return display_name(cfg.target), display_name(draft_spec(cfg))
 
 
-def load_draft(spec: str, target: nn.Module, tokenizer, dtype: str = "float32", device: str = "cpu") -> nn.Module:
+def load_draft(spec: str, target, tokenizer, dtype: str = "float32", device: str = "cpu") -> nn.Module:
     """A draft for `target`: `truncated:N`, `ngram` (prompt lookup, no model), a distilled draft or EAGLE-3
-    head directory (either format: drafting/eagle3_io.py), or a separate model whose vocabulary must match."""
+    head directory (either format: drafting/eagle3_io.py), or a separate model whose vocabulary must match.
+
+    target: the loaded target model; for a draft that shares none of its weights (draft_needs_target
+    false: `ngram`, a separate model) its config is enough (load_target_config), and for `ngram` None."""
     if spec == "ngram":
         from serve_app.drafting.ngram import NgramDraft
 
         return NgramDraft()
+    if not isinstance(target, nn.Module) and draft_needs_target(spec):
+        raise ValueError(f"draft {spec!r} is built from the target's weights: it needs the loaded target, "
+                         "not its config")
     if spec.startswith("truncated:"):
         n = spec.partition(":")[2]
         if not n.isdigit():
@@ -135,6 +151,38 @@ def load_draft(spec: str, target: nn.Module, tokenizer, dtype: str = "float32", 
     draft, draft_tok = _from_pretrained(spec, dtype, device, "draft")
     check_same_vocab(tokenizer, draft_tok, target, draft)
     return draft
+
+
+def draft_needs_target(spec: str) -> bool:
+    """Whether a draft is built from the target's weights, so whoever hosts it must load the target:
+    `truncated:N` and distilled layer-copy drafts share its layers, head and embeddings, an EAGLE-3
+    head its embedding table (EAGLE-3 trains with the target's, frozen; its fingerprint is read from
+    them too). `ngram` and a separate model share nothing: the target's tokenizer and config do."""
+    if spec.startswith("truncated:"):
+        return True
+    if spec in ("ngram", "none", EMBEDDED):
+        return False
+    from serve_app.drafting.eagle3_io import is_eagle3_dir
+    from serve_app.drafting.layers import is_draft_dir
+
+    return is_eagle3_dir(spec) or is_draft_dir(spec)
+
+
+def load_draft_for_host(cfg: ModelConfig) -> tuple[nn.Module, object]:
+    """(draft, target's tokenizer) for a process that hosts the draft alone (the Ray draft actor).
+
+    The target's weights are loaded only when the draft is built from them (draft_needs_target): for a
+    separate model or `ngram`, a second copy of the target (16 GB at 8B, on the draft's GPU) would be
+    loaded to read its vocabulary size."""
+    spec = draft_spec(cfg)
+    if spec == "none":
+        raise ValueError("no draft is configured: a draft host has nothing to load")
+    if draft_needs_target(spec):
+        target, tokenizer, _ = load_target(cfg.target, cfg.dtype, cfg.device)
+        return load_draft(spec, target, tokenizer, cfg.dtype, cfg.device), tokenizer
+    tokenizer = load_tokenizer(cfg.target)  # the pad id, and the vocabulary a separate draft must share
+    config = None if spec == "ngram" else load_target_config(cfg.target)
+    return load_draft(spec, config, tokenizer, cfg.dtype, cfg.device), tokenizer
 
 
 def draft_spec(cfg: ModelConfig) -> str:
@@ -193,6 +241,20 @@ def load_tokenizer(spec: str):
         raise FileNotFoundError(f"cannot load tokenizer of {spec!r}: {e}") from None
 
 
+def load_target_config(spec: str):
+    """Only the config of a target spec (vocabulary size, layers): all a draft that shares none of the
+    target's weights checks against."""
+    from transformers import AutoConfig
+
+    if spec == EMBEDDED:
+        spec = embedded_source()
+    kwargs = _load_kwargs(spec, "float32", "cpu")
+    try:
+        return AutoConfig.from_pretrained(kwargs["_src"], **{k: v for k, v in kwargs.items() if k == "gguf_file"})
+    except OSError as e:
+        raise FileNotFoundError(f"cannot load config of {spec!r}: {e}") from None
+
+
 def load_models(cfg: ModelConfig) -> LoadedModels:
     target, tokenizer, target_name = load_target(cfg.target, cfg.dtype, cfg.device)
     spec = draft_spec(cfg)
@@ -226,8 +288,9 @@ def truncated_draft(target: nn.Module, n_layers: int) -> nn.Module:
     return draft.eval()
 
 
-def check_same_vocab(target_tok, draft_tok, target: nn.Module, draft: nn.Module) -> None:
-    """Refuse a draft that does not speak the target's vocabulary: its token ids would mean other text."""
+def check_same_vocab(target_tok, draft_tok, target, draft: nn.Module) -> None:
+    """Refuse a draft that does not speak the target's vocabulary: its token ids would mean other text.
+    target: the target model, or its config (a draft host that did not load the target's weights)."""
     tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
     if tv != dv:
         diff = sorted(set(tv.items()) ^ set(dv.items()))[:3]
@@ -235,7 +298,10 @@ def check_same_vocab(target_tok, draft_tok, target: nn.Module, draft: nn.Module)
             f"draft tokenizer differs from the target's ({len(dv)} vs {len(tv)} tokens; e.g. {diff}): "
             "a draft must share the target's vocabulary"
         )
-    t_out = target.get_output_embeddings().weight.shape[0]
+    if isinstance(target, nn.Module):
+        t_out = target.get_output_embeddings().weight.shape[0]
+    else:
+        t_out = target.get_text_config().vocab_size  # what the target's head predicts
     d_out = draft.get_output_embeddings().weight.shape[0]
     if t_out != d_out:
         raise ValueError(f"draft predicts {d_out} token ids, the target {t_out}: vocabularies differ")

@@ -2,6 +2,7 @@
 text whatever k, draft or batch."""
 
 import asyncio
+import math
 
 import pytest
 import torch
@@ -9,33 +10,106 @@ import torch
 from test_engine import PROMPTS, make_engine
 
 from serve_app.config import SamplingParams
-from serve_app.engine.speculative import coupled_choice, coupling_noise, warp_probs
+from serve_app.engine.sampling import BLOCK, Warp, _hash32, gumbel, gumbel_argmax, noise_e, noise_key, warp_
 
 
 def test_coupled_choice_samples_exactly_from_p():
     """Over seeds, the token at a position is distributed as p (a total-variation bound that the
     argmax, or a sampler reading the wrong distribution, fails)."""
-    p = torch.tensor([[0.5, 0.25, 0.15, 0.07, 0.03]])
+    p = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
     n = 6000
-    picks = torch.stack([coupled_choice(p, coupling_noise(seed, 17, 5)[None]) for seed in range(n)]).flatten()
+    keys = torch.tensor([noise_key(seed, 17) for seed in range(n)], dtype=torch.int32)
+    picks = gumbel_argmax(p.log()[None].expand(n, 5).contiguous(), keys)
     freq = torch.bincount(picks, minlength=5).double() / n
-    tv = 0.5 * (freq - p[0].double()).abs().sum().item()
+    tv = 0.5 * (freq - p.double()).abs().sum().item()
     assert tv < 0.025, (freq, tv)
-    wrong = torch.tensor([[0.4, 0.35, 0.15, 0.07, 0.03]])  # power: a distribution 0.1 away is told apart
-    assert 0.5 * (freq - wrong[0].double()).abs().sum().item() > 0.05
+    wrong = torch.tensor([0.4, 0.35, 0.15, 0.07, 0.03])  # power: a distribution 0.1 away is told apart
+    assert 0.5 * (freq - wrong.double()).abs().sum().item() > 0.05
 
 
-def test_coupling_noise_depends_on_seed_and_position_only():
-    a = coupling_noise(3, 10, 50)
-    assert torch.equal(a, coupling_noise(3, 10, 50))
-    assert not torch.equal(a, coupling_noise(3, 11, 50)) and not torch.equal(a, coupling_noise(4, 10, 50))
+def _s32(x: int) -> int:
+    x &= 0xFFFFFFFF
+    return x - (1 << 32) if x >= 1 << 31 else x
+
+
+def _twin_hash(key: int, token: int) -> int:
+    """The noise hash in plain Python integers, wrapping at 32 bits as the int32 tensors do: the same
+    bits on any device with two's-complement int32 arithmetic (every CPU and GPU torch runs on)."""
+    v = _s32(key + token * 0x2545F491)
+    v ^= (v >> 16) & 0xFFFF
+    v = _s32(v * 0x7FEB352D)
+    v ^= (v >> 15) & 0x1FFFF
+    v = _s32(v * 0x5BD1E995)
+    v ^= (v >> 16) & 0xFFFF
+    return v
+
+
+def _twin_e(key: int, token: int, vocab: int) -> float:
+    """E(token) by the block construction (see sampling.noise_e), from the twin's bits."""
+    def expo(k, i):
+        return -math.log((((_twin_hash(k, i) >> 8) & 0xFFFFFF) + 0.5) / 16777216)
+
+    b = token // BLOCK
+    size = min(BLOCK, vocab - b * BLOCK)
+    e_min = expo(_s32(key + 0x3C6EF372), b) / size
+    at = (_twin_hash(_s32(key + 0x1B873593), b) & 0x7FFFFFFF) % size
+    return e_min if token % BLOCK == at else e_min + expo(key, token)
+
+
+def test_noise_matches_a_plain_integer_twin():
+    keys = [noise_key(s, pos) for s, pos in [(0, 0), (1, 5), (2**40 + 3, 77), (123456789, 8191)]]
+    tokens = [0, 1, 2, 1000, 1023, 1024, 49151, 128255]
+    vocab = 128256
+    e = noise_e(torch.tensor(keys, dtype=torch.int32), torch.tensor([tokens] * len(keys)), vocab)
+    twin = torch.tensor([[_twin_e(k, t, vocab) for t in tokens] for k in keys], dtype=torch.float64)
+    assert torch.allclose(e.double(), twin, rtol=2e-5, atol=1e-6)  # float32 -log(u) near u = 1
+    bits = _hash32(torch.tensor([tokens] * len(keys), dtype=torch.int32), torch.tensor(keys, dtype=torch.int32)[:, None])
+    assert bits.tolist() == [[_twin_hash(k, t) for t in tokens] for k in keys]  # the bits: exact
+    assert 0 <= min(keys) and max(keys) < 2**31
+
+
+def test_block_noise_is_iid_exponential():
+    """Marginals Exp(1) (mean and variance 1), a block's minimum at a uniform position, tokens of one
+    block as often above as below each other, the short last block too: the block construction has
+    the law of iid draws."""
+    n, vocab = 8000, 40 * BLOCK + BLOCK // 2  # the last block is half a block
+    keys = torch.tensor([noise_key(5, i) for i in range(n)], dtype=torch.int32)
+    for first, size in [(0, BLOCK), (40 * BLOCK, BLOCK // 2)]:
+        e = noise_e(keys, torch.arange(first, first + size)[None].expand(n, -1), vocab)
+        assert abs(e.mean().item() - 1) < 0.02 and abs(e.var().item() - 1) < 0.05
+        where_min = torch.bincount(e.argmin(dim=1), minlength=size).float() / n
+        assert (where_min - 1 / size).abs().max() < 0.02, where_min
+        assert abs((e[:, 0] < e[:, size - 1]).float().mean().item() - 0.5) < 0.03
+
+
+def test_coupling_noise_depends_on_seed_position_and_token_only():
+    a = gumbel(torch.tensor([noise_key(3, 10)], dtype=torch.int32), None, 50)
+    assert torch.equal(a, gumbel(torch.tensor([noise_key(3, 10)], dtype=torch.int32), None, 50))
+    assert not torch.equal(a, gumbel(torch.tensor([noise_key(3, 11)], dtype=torch.int32), None, 50))
+    assert not torch.equal(a, gumbel(torch.tensor([noise_key(4, 10)], dtype=torch.int32), None, 50))
+    # the same row in a batch with others, and at a subset of its token ids: the same values
+    batch = gumbel(torch.tensor([noise_key(9, 9), noise_key(3, 10)], dtype=torch.int32), None, 50)
+    assert torch.equal(batch[1], a[0])
+    ids = torch.tensor([[49, 3, 7]])
+    assert torch.equal(gumbel(torch.tensor([noise_key(3, 10)], dtype=torch.int32), ids, 50), a[:, [49, 3, 7]])
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 4.0, 40.0])
+def test_bounded_gumbel_argmax_equals_the_full_vocabulary_one(scale):
+    """Flat rows take the full noise, peaked ones are settled by the bound: both are the exact argmax."""
+    g = torch.Generator().manual_seed(int(scale * 100))
+    logits = torch.randn(256, 5000, generator=g) * scale  # 5 blocks, the last one short
+    logits[:8, 100:] = float("-inf")  # top-p / top-k cut rows
+    keys = torch.tensor([noise_key(7, i) for i in range(256)], dtype=torch.int32)
+    full = (logits + gumbel(keys, None, 5000)).max(dim=-1).indices
+    assert torch.equal(gumbel_argmax(logits, keys), full)
 
 
 def test_warped_coupled_choice_respects_top_k():
-    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
-    p = warp_probs(logits, torch.tensor([1.0]), torch.tensor([2]), torch.tensor([1.0]))
-    picks = {coupled_choice(p, coupling_noise(s, 0, 4)[None]).item() for s in range(300)}
-    assert picks == {0, 1}
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]]).expand(300, 4).contiguous()
+    w = Warp(torch.ones(300), torch.full((300,), 2), torch.ones(300))
+    keys = torch.tensor([noise_key(s, 0) for s in range(300)], dtype=torch.int32)
+    assert set(gumbel_argmax(warp_(logits.clone(), w), keys).tolist()) == {0, 1}
 
 
 def run(engine, prompts, seeds, max_tokens=24, temperature=0.9, top_p=1.0):

@@ -1,4 +1,5 @@
-"""`--dtype auto`: bfloat16 where the hardware has it natively, float32 elsewhere; profiles keep their dtype."""
+"""`--dtype auto`: bfloat16 where the hardware has it natively, float16 on CUDA GPUs that only emulate it,
+float32 elsewhere; profiles keep their dtype."""
 
 from __future__ import annotations
 
@@ -40,3 +41,19 @@ def test_a_target_worker_reports_its_resolved_dtype(unpinned, monkeypatch, tiny_
     monkeypatch.setattr(models, "cpu_has_bf16", lambda: True)
     target, _, _ = load_target(tiny_model_dirs["target"], "auto")
     assert ModelWorker(target, "target", 0).info()["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("capability, expected", [
+    ((9, 0), "bfloat16"), ((8, 0), "bfloat16"),  # H100, A100: native bfloat16
+    ((7, 5), "float16"), ((7, 0), "float16"),  # T4, V100: bfloat16 only emulated, float16 tensor cores
+    ((6, 1), "float32"),  # P40: neither is fast
+])
+def test_auto_on_cuda_follows_the_compute_capability(unpinned, monkeypatch, capability, expected):
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # says yes to emulation: not asked
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or capability)
+    assert resolve_dtype("auto", "cuda:1") == expected
+    assert resolve_dtype("auto", "auto") == expected  # device_map="auto": the current device
+    assert asked == ["cuda:1", None]
+    assert resolve_dtype("bfloat16", "cuda") == "bfloat16"  # an explicit dtype is never changed

@@ -73,14 +73,18 @@ def _row(w, sid):
     return torch.stack([k[row, :, : seq.kv_len] for k in w.cache.keys]).clone()
 
 
-def test_proposal_travels_sparse_when_support_is_small_and_densifies_exactly():
-    from serve_app.engine.worker import Proposal
+def test_sampled_proposal_is_the_drafts_top_n_sent_sparse(tiny_target, tiny_drafts):
+    """Only token ids and N numbers per drafted position leave the draft: a sampled row's q is its warped
+    top-N renormalized (the token drawn is in it), greedy and seeded rows send zeros."""
+    from serve_app.engine.worker import ModelWorker
 
-    probs = torch.zeros(2, 3, 40)
-    probs[..., 5], probs[..., 7] = 0.75, 0.25
-    probs[1, :, 9] = 0.5
-    p = Proposal(torch.zeros(2, 3, dtype=torch.long), probs).compact()
-    assert p.support is not None and p.probs.shape == (2, 3, 3)
-    assert torch.equal(p.dense_probs(40), probs)
-    dense = Proposal(torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1, 8), 0.125)).compact()
-    assert dense.support is None  # full support: sparse would be larger
+    w = ModelWorker(tiny_drafts["random"], "draft")
+    w.top_n = 8
+    params = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9, seed=3)]
+    w.add(["g", "s", "c"], [[1, 2, 3]] * 3, params)
+    prop = w.propose(["g", "s", "c"], 3)
+    assert prop.tokens.shape == (3, 3) and prop.probs.shape == (3, 3, 8) and prop.support.shape == (3, 3, 8)
+    assert prop.support.dtype == torch.int32
+    assert torch.allclose(prop.probs[1].sum(-1), torch.ones(3))
+    assert all(int(t) in prop.support[1, j].tolist() for j, t in enumerate(prop.tokens[1]))
+    assert prop.probs[0].abs().sum() == 0 and prop.probs[2].abs().sum() == 0

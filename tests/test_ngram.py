@@ -15,7 +15,7 @@ from serve_app.drafting.ngram import NgramDraft, NgramWorker
 from serve_app.engine.kv import compact_rows
 from serve_app.models import display_name, load_draft, model_names
 from serve_app.engine.scheduler import Engine
-from serve_app.engine.speculative import warp_probs
+from serve_app.engine.sampling import Warp, warp_
 from serve_app.engine.worker import ModelWorker
 
 PROMPTS = [[1, 2, 3], [5] * 11, list(range(10, 40)), [7, 8], [42], [5, 6, 7, 8] * 5, list(range(60, 50, -1))]
@@ -123,8 +123,8 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_target):
     def target_p(ctx):  # warped target distribution after ctx: [V]
         with torch.no_grad():
             logits = tiny_target(torch.tensor([ctx])).logits[:, -1]
-        return warp_probs(logits, torch.tensor([params["temperature"]]), torch.tensor([params["top_k"]]),
-                          torch.ones(1))[0].double()
+        w = Warp(torch.tensor([params["temperature"]]), torch.tensor([params["top_k"]]), torch.ones(1))
+        return warp_(logits.float(), w).softmax(-1)[0].double()
 
     exact = {}  # (t1, t2, t3) -> probability
     p1 = target_p(prompt)
@@ -162,7 +162,7 @@ def test_sampled_proposal_is_sparse_one_hot():
     # "1 2" recurs: copy what followed it, then its own copy (a loop of period 3); 6 is new: filler 4
     assert prop.tokens.tolist() == [[3, 1, 2], [4, 4, 4]]
     assert prop.probs.shape == (2, 3, 1) and prop.support.shape == (2, 3, 1)
-    dense = prop.dense_probs(10)  # [B, k, V]
+    dense = torch.zeros(2, 3, 10).scatter_(-1, prop.support.long(), prop.probs)  # [B, k, V]
     assert dense[0].sum() == 0  # greedy row: q unused, zeros as ModelWorker sends
     assert torch.equal(dense[1], torch.nn.functional.one_hot(prop.tokens[1], 10).float())
 

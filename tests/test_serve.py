@@ -420,6 +420,42 @@ def test_eagle3_head_across_actors_gives_the_target_alone_text(service, eagle_cl
     assert st["policy"] == "fixed:3" and st["k_steps"].get(3, 0) > 0  # it speculated, with the head's proposals
 
 
+def test_eagle3_features_go_from_target_actor_to_draft_actor_directly(service, eagle_client):
+    """Worker actors driven by an engine in this process, as a Router drives them: the target's features
+    reach the draft's actor as an object-store reference (counted there as direct bytes); what crosses
+    this process per step is token ids and a few numbers, and the text is the target's alone."""
+    from deployments.workers import DraftWorker, RemoteWorker, TargetWorker
+    from serve_app.config import EngineConfig, ModelConfig, SamplingParams
+    from serve_app.engine.scheduler import Engine
+    from serve_app.engine.worker import Proposal
+    from serve_app.models import load_models, load_tokenizer
+
+    model = {**service["model"], "draft": str(service["root"] / "eagle3-head")}
+    actors = [cls.options(num_cpus=0, resources={"head": 0.001}).remote(model, 1) for cls in (TargetWorker, DraftWorker)]
+    target, draft = (RemoteWorker(a, 60, count_bytes=True) for a in actors)
+    try:
+        engine = Engine(target, draft, load_tokenizer(model["target"]), EngineConfig(policy="fixed:3", max_batch_size=4))
+        steps = []
+        engine.on_step.append(steps.append)
+        reqs = [engine.submit(list(range(3 + i, 12 + i)), SamplingParams(max_tokens=12, ignore_eos=True)) for i in range(4)]
+        target.take_timings(), draft.take_timings()
+        engine.run(reqs)
+        direct = target.take_timings()["direct_bytes"]
+        crossed = target.bytes_sent + target.bytes_received + draft.bytes_sent + draft.bytes_received
+        target.add(["x"], [[1, 2, 3]], [SamplingParams()])
+        assert isinstance(target.verify(["x"], Proposal.empty(1)).features, ray.ObjectRef)  # a reference, not data
+        alone = Engine.from_models(load_models(ModelConfig(target=model["target"], draft="none", dtype="float64")),
+                                   EngineConfig(policy="none", max_batch_size=4))
+        ref = [alone.submit(r.prompt_ids, r.params) for r in reqs]
+        alone.run(ref)
+    finally:
+        for a in actors:
+            ray.kill(a)
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in ref]
+    assert sum(s.k for s in steps) > 0 and direct > 0
+    assert crossed / len(steps) < 8_000, crossed / len(steps)  # ids, k tokens and counts per step
+
+
 # ---- crashes: workers and routers killed mid-stream ------------------------------------------------
 
 CRASH_TOKENS = 200

@@ -1,8 +1,11 @@
-"""Acceptance as pure functions, on hand-built distributions (no models, no Ray)."""
+"""Acceptance as pure functions and the target's walk over positions, on hand-built distributions
+(no models, no Ray)."""
 
+import pytest
 import torch
 
-from serve_app.engine.speculative import accept_greedy, accept_sampled, sample, warp_probs
+from serve_app.engine.sampling import Warp, noise_key, verify_walk, warp_
+from serve_app.engine.speculative import accept_greedy, accept_rejection, residual_logits_, sample
 
 
 def onehot(tokens, vocab=6):
@@ -35,47 +38,79 @@ def test_greedy_k0_is_plain_decoding():
     assert n.tolist() == [0, 0] and nxt.tolist() == [4, 2]
 
 
-# ---- rejection sampling ---------------------------------------------------------------------------
+# ---- rejection sampling (the walk over positions, with the draft's q sparse) -----------------------
+def walk(p, drafts, q, accept_u, key_seed=0, seeded=False):
+    """verify_walk on hand-built target distributions p [B, k+1, V] and a dense q [B, k, V] (sent
+    sparse, as the draft does: its nonzero entries)."""
+    bsz, k = drafts.shape
+    vocab = p.shape[-1]
+    n = max(int((q > 0).sum(-1).max()), 1) if k else 1
+    vals, ids = q.topk(n, dim=-1) if k else (torch.zeros(bsz, 0, n), torch.zeros(bsz, 0, n, dtype=torch.long))
+    keys = torch.tensor([[noise_key(key_seed + b, j) for j in range(k + 1)] for b in range(bsz)], dtype=torch.int32)
+    w = Warp(torch.ones(bsz), torch.zeros(bsz, dtype=torch.long), torch.ones(bsz))
+    return verify_walk(p.log(), drafts, torch.zeros(bsz, dtype=torch.bool), keys,
+                       torch.full((bsz,), seeded), w, vals, ids.int(), accept_u)
+
+
+def onehot_q(tokens, vocab=6):
+    return onehot(tokens, vocab)
+
+
 def test_sampled_identical_distributions_accept_everything():
     p = torch.softmax(torch.randn(1, 4, 6), -1)
     drafts = torch.tensor([[1, 2, 3]])
-    n, _ = accept_sampled(drafts, p[:, :3], p, torch.full((1, 3), 0.999), torch.tensor([0.5]))
+    n, _ = walk(p, drafts, p[:, :3], torch.full((1, 3), 0.999))
     assert n.tolist() == [3]
 
 
 def test_sampled_token_target_never_picks_is_rejected_and_residual_excludes_it():
-    q = onehot([[2]])  # draft is sure of token 2
+    q = onehot_q([[2]])  # draft is sure of token 2
     p = torch.tensor([[[0.0, 0.5, 0.0, 0.5, 0, 0], [1 / 6] * 6]])  # target gives token 2 no mass
-    n, nxt = accept_sampled(torch.tensor([[2]]), q, p, torch.tensor([[0.0]]), torch.tensor([0.9]))
-    assert n.tolist() == [0]
-    assert nxt.item() in (1, 3)  # residual max(0, p - q) lives only where p > q
+    for seed in range(20):
+        n, nxt = walk(p, torch.tensor([[2]]), q, torch.tensor([[0.0]]), key_seed=seed)
+        assert n.tolist() == [0]
+        assert nxt.item() in (1, 3)  # residual max(0, p - q) lives only where p > q
 
 
 def test_sampled_empty_draft_samples_target():
     p = torch.tensor([[[0, 0, 0, 0, 1.0, 0]]])
-    n, nxt = accept_sampled(torch.zeros((1, 0), dtype=torch.long), torch.zeros(1, 0, 6), p, torch.zeros(1, 0), torch.tensor([0.3]))
+    n, nxt = walk(p, torch.zeros((1, 0), dtype=torch.long), torch.zeros(1, 0, 6), torch.zeros(1, 0))
     assert n.tolist() == [0] and nxt.tolist() == [4]
 
 
 def test_sampled_one_hot_reduces_to_greedy():
     target_argmax = torch.tensor([[3, 1, 4, 5]])
     drafts = torch.tensor([[3, 1, 2]])
-    p, q = onehot(target_argmax), onehot(drafts)
-    n, nxt = accept_sampled(drafts, q, p, torch.rand(1, 3), torch.rand(1))
+    n, nxt = walk(onehot(target_argmax), drafts, onehot(drafts), torch.rand(1, 3))
     gn, gnxt = accept_greedy(drafts, target_argmax)
     assert n.tolist() == gn.tolist() and nxt.tolist() == gnxt.tolist()
 
 
-def test_rejection_sampling_reproduces_target_distribution():
-    """Tokens emitted at each position follow p, not q, whatever the draft proposes (Leviathan et al.)."""
+def test_residual_changes_p_only_on_the_support():
+    p = torch.tensor([[0.1, 0.4, 0.3, 0.2]])
+    logits = p.log()
+    lse = torch.logsumexp(logits, -1)
+    r = residual_logits_(logits.clone(), lse, torch.tensor([[0.5, 0.1]]), torch.tensor([[1, 3]]))
+    assert torch.allclose(r.softmax(-1), torch.tensor([[0.1, 0.0, 0.3, 0.1]]) / 0.5, atol=1e-6)
+    assert accept_rejection(torch.tensor([0.2, 0.2]), torch.tensor([0.4, 0.1]), torch.tensor([0.49, 0.99])).tolist() == [True, True]
+    assert accept_rejection(torch.tensor([0.2]), torch.tensor([0.4]), torch.tensor([0.51])).tolist() == [False]
+
+
+@pytest.mark.parametrize("support", [5, 2])
+def test_rejection_sampling_reproduces_target_distribution(support):
+    """Tokens emitted at each position follow p, not q, whatever the draft proposes (Leviathan et al.),
+    also when q lives on fewer tokens than the vocabulary (a top-N proposal, sent sparse)."""
     g = torch.Generator().manual_seed(0)
     vocab, k, trials = 5, 2, 40_000
     p1 = torch.tensor([0.05, 0.40, 0.25, 0.20, 0.10])  # target at position 0
     q1 = torch.tensor([0.40, 0.10, 0.10, 0.30, 0.10])  # a draft that disagrees a lot
+    if support < vocab:  # the draft's top-2, renormalized: tokens 0 and 3
+        q1 = torch.where(q1 >= q1.topk(support).values[-1], q1, 0.0)
+        q1 = q1 / q1.sum()
     p = torch.stack([p1, p1.flip(0), torch.full((vocab,), 0.2)])[None].expand(trials, k + 1, vocab)
     q = torch.stack([q1, q1.roll(1)])[None].expand(trials, k, vocab)
     drafts = torch.stack([torch.multinomial(q[0, j], trials, replacement=True, generator=g) for j in range(k)], 1)
-    n, nxt = accept_sampled(drafts, q, p, torch.rand(trials, k, generator=g), torch.rand(trials, generator=g))
+    n, nxt = walk(p, drafts, q, torch.rand(trials, k, generator=g), key_seed=1000 * support)
     # The first emitted token is the accepted draft token if n >= 1, else the recovered one.
     first = torch.where(n >= 1, drafts[:, 0], nxt)
     freq = torch.bincount(first, minlength=vocab).float() / trials
@@ -91,14 +126,41 @@ def test_rejection_sampling_reproduces_target_distribution():
 
 
 # ---- warping and sampling -----------------------------------------------------------------------
+def reference_warp(logits, temperature, top_k, top_p):
+    """The sort-based definition warp_ must match: temperature, top-k, then top-p over the top-k
+    renormalized distribution (a token stays while the mass strictly before it is below top_p)."""
+    logits = logits.float() / temperature[:, None]
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    drop = torch.arange(vocab)[None, :] >= torch.where(top_k > 0, top_k, vocab)[:, None]
+    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    drop |= sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p[:, None]
+    out = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return out.softmax(dim=-1)
+
+
 def test_warp_temperature_top_k_top_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 3))
-    probs = warp_probs(logits, torch.tensor([1.0, 1.0, 1.0]), torch.tensor([0, 2, 0]), torch.tensor([1.0, 1.0, 0.7]))
+    probs = warp_(logits.clone(), Warp(torch.tensor([1.0, 1.0, 1.0]), torch.tensor([0, 2, 0]), torch.tensor([1.0, 1.0, 0.7]))).softmax(-1)
     assert torch.allclose(probs[0], torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=1e-6)
     assert torch.allclose(probs[1], torch.tensor([0.625, 0.375, 0, 0]), atol=1e-6)  # top_k = 2
     assert torch.allclose(probs[2], torch.tensor([0.625, 0.375, 0, 0]), atol=1e-6)  # 0.5 < 0.7 <= 0.8
-    hot = warp_probs(logits[:1], torch.tensor([0.1]), torch.tensor([0]), torch.tensor([1.0]))
+    hot = warp_(logits[:1].clone(), Warp(torch.tensor([0.1]), torch.tensor([0]), torch.tensor([1.0]))).softmax(-1)
     assert hot[0, 0] > 0.99
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 30.0])
+def test_warp_matches_the_sort_based_definition(scale):
+    """Flat rows (whose nucleus reaches past the first candidates, so the pass widens) and peaked ones;
+    top-k below, inside and above the candidate width; top-p alone and with top-k."""
+    g = torch.Generator().manual_seed(int(scale * 10))
+    vocab = 3000
+    logits = torch.randn(8, vocab, generator=g) * scale
+    temperature = torch.tensor([1.0, 0.7, 1.3, 1.0, 1.0, 0.5, 1.0, 2.0])
+    top_k = torch.tensor([0, 0, 5, 100, 2500, 0, 40, 0])
+    top_p = torch.tensor([0.9, 0.5, 1.0, 0.95, 0.99, 1.0, 0.3, 0.999])
+    got = warp_(logits.clone(), Warp(temperature, top_k, top_p)).softmax(-1)
+    assert torch.allclose(got, reference_warp(logits, temperature, top_k, top_p), atol=1e-6)
 
 
 def test_sample_inverse_cdf_edges():

@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from serve_app.config import EngineConfig, ModelConfig, SamplingParams
+from serve_app.hardware import sync
 from serve_app.models import load_models, load_target
 from serve_app.bench.prompt_sets import BENCH_PROMPTS, chat_prompts
 from serve_app.engine.scheduler import Engine
@@ -34,14 +35,17 @@ def hf_generate(model, prompts: list[list[int]], max_tokens: int, bar: tqdm) -> 
     (`min_new_tokens` would be wrong here: it forbids EOS, so HF would pick another token where the engine,
     told to ignore EOS, emits it and goes on.)"""
     times, outs = [], []
+    device = next(model.parameters()).device
     for p in prompts:
-        ids = torch.tensor([p])
+        ids = torch.tensor([p], device=device)  # [1, S] where the model is (`--device cuda`)
+        sync(device)
         t = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
                 eos_token_id=[],  # no EOS: generate past it without suppressing it, as the engine's ignore_eos does
             )
+        sync(device)  # on a GPU the last kernels may still run: time them, not their launch
         times.append(time.perf_counter() - t)
         outs.append(out[0, len(p):].tolist())
         bar.update(1)
@@ -91,17 +95,24 @@ def engine_run(models, policy: str, prompts: list[list[int]], max_tokens: int, b
 
 
 def forward_ms(model, context: int = 64, reps: int = 30) -> float:
-    """Median latency of one single-token forward at batch 1 after `context` cached tokens."""
+    """Median latency of one single-token forward at batch 1 after `context` cached tokens. Inputs are made
+    on the model's device, which is synchronized before each clock read: a GPU runs kernels
+    asynchronously, and the clock alone would time their launch."""
     from transformers import DynamicCache
 
     times = []
+    device = next(model.parameters()).device  # any draft's, not only a Hugging Face model's `.device`
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
         vocab = model.config.vocab_size
-        model(torch.arange(1, context + 1)[None] % vocab, past_key_values=cache, use_cache=True)
+        model(torch.arange(1, context + 1, device=device)[None] % vocab, past_key_values=cache, use_cache=True)
         for i in range(reps):
+            token = torch.tensor([[7 % vocab]], device=device)  # [1, 1]
+            position = torch.tensor([[context + i]], device=device)  # [1, 1]
+            sync(device)  # the prefill or the previous step is done before the clock starts
             t = time.perf_counter()
-            model(torch.tensor([[7 % vocab]]), position_ids=torch.tensor([[context + i]]), past_key_values=cache, use_cache=True)
+            model(token, position_ids=position, past_key_values=cache, use_cache=True)
+            sync(device)
             times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2] * 1000
 

@@ -33,6 +33,26 @@ def default_feature_layers(num_layers: int) -> list[int]:
     return layers
 
 
+class Float32Rotary(LlamaRotaryEmbedding):
+    """Llama's rotary embedding with its frequencies (inv_freq) kept in float32 through every cast of
+    the draft (`.to(torch.bfloat16)`, `.half()`, `.to(device, dtype)`, cast_own, the loader's cast to
+    the target's dtype). In bfloat16 (8 mantissa bits) an inverse frequency is off by up to 2^-9 of
+    itself, so position p's angle is off by up to p x inv_freq x 2^-9 rad: radians at a few thousand
+    tokens for the fast-turning frequencies. The draft's rotations would then disagree with the
+    target's (whose loader keeps inv_freq in float32), and acceptance would fall silently as contexts
+    grow. cos and sin still come out in the input's dtype."""
+
+    def _apply(self, fn, recurse=True):
+        kept = dict(self._buffers)  # the float32 frequencies, before fn casts them
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = self._buffers[name]
+            if before is not None and after is not None and before.is_floating_point():
+                # where fn put them (a device move applies), as float32 from the unrounded values
+                self._buffers[name] = before.to(device=after.device, dtype=torch.float32)
+        return self
+
+
 class Eagle3Draft(nn.Module):
     def __init__(self, config, target_hidden_size: int, feature_layers: list[int], token_ids: torch.Tensor,
                  embed_tokens: nn.Embedding):
@@ -55,7 +75,7 @@ class Eagle3Draft(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
         self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
-        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.rotary_emb = Float32Rotary(config)
         self.register_buffer("token_ids", token_ids.clone().long(), persistent=False)  # [N] draft id -> target id
         self.lm_head = nn.Linear(h, len(token_ids), bias=False)
         self.embed_tokens.weight.requires_grad_(False)

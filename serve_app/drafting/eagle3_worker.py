@@ -12,10 +12,13 @@ them arrive, the next proposal recomputes them, so nothing is ever rolled back o
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from serve_app.engine.kv import causal_mask, ragged_inputs
-from serve_app.engine.worker import ModelWorker, Proposal, _backlog_agreement
+
+from serve_app.engine.worker import ModelWorker, Proposal, _backlog_agreement, _proposal
 
 
 class EagleWorker(ModelWorker):
@@ -58,7 +61,7 @@ class EagleWorker(ModelWorker):
     def propose(self, seq_ids: list[str], k: int) -> Proposal:
         seqs = self._rows(seq_ids)
         if k == 0:
-            return Proposal(torch.zeros((len(seqs), 0), dtype=torch.long))
+            return Proposal.empty(len(seqs))
         lens = [len(s.tokens) for s in seqs]
         # catch-up: positions kv_len .. L-2, each pairing the target's feature with the token after it
         feats = [torch.cat(s.extra["features"]) if s.extra["features"] else torch.zeros(0, self.feature_dim)
@@ -72,27 +75,32 @@ class EagleWorker(ModelWorker):
         hidden = self._left_pad([self.model.fuse(f.to(self.device)) for f in feats], ids.shape[1])  # [B, W, H]
         row0 = self.order.index(seq_ids[0])
         logits, state = self._step(row0, ids, hidden, pos, keep=window)
-        backlog = _backlog_agreement(seqs, fed, logits)
+        backlog = self._timed(_backlog_agreement, seqs, fed, logits)
         for s, n in zip(seqs, lens):
             s.kv_len, s.extra["features"] = n - 1, []
-        tokens, probs = [], []
+        tokens, probs, support = [], [], []
+        draw = self._drawer(seqs)
         for j in range(k):
-            tok, q = self._draw(seqs, logits[:, -1], [n + j for n in lens])
+            tok, q, ids = self._timed(draw, logits[:, -1], [n + j for n in lens])
             tokens.append(tok)
             probs.append(q)
+            support.append(ids)
             if j + 1 < k:  # the next step feeds this token with the draft's own state
                 step_pos = torch.tensor([[n - 1 + j] for n in lens])
                 logits, state = self._step(row0, tok[:, None], state[:, -1:], step_pos, keep=1)
-        any_sampled = any(not s.params.greedy for s in seqs)
-        return Proposal(torch.stack(tokens, 1), torch.stack(probs, 1) if any_sampled else None, backlog=backlog).compact()
+        return _proposal(tokens, probs, support, len(seqs), backlog)
 
     def _step(self, row0: int, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, keep: int):
         """One forward of the draft layer over ids [B, T] / hidden [B, T, H] at positions [B, T], for the
         rows starting at row0."""
+        t0 = time.perf_counter()
         ids, pos = ids.to(self.device), pos.to(self.device)
         self.cache.prepare(row0, pos)
         mask = causal_mask(pos, self.cache._kv_max, self.mask_dtype)
-        return self.model(ids, hidden, pos, attention_mask=mask, past_key_values=self.cache, logits_to_keep=keep)
+        out = self.model(ids, hidden, pos, attention_mask=mask, past_key_values=self.cache, logits_to_keep=keep)
+        self._sync()
+        self.timings["forward_s"] += time.perf_counter() - t0
+        return out
 
     @staticmethod
     def _left_pad(rows: list[torch.Tensor], width: int) -> torch.Tensor:  # rows of [n_b, H] -> [B, width, H]

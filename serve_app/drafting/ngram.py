@@ -30,7 +30,7 @@ import torch
 from serve_app.config import SamplingParams
 from serve_app.engine.kv import compact_rows
 from serve_app.profiling.profiles import detect_gpu_type
-from serve_app.engine.worker import Proposal, contiguous_rows
+from serve_app.engine.worker import Proposal, contiguous_rows, new_timings
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class NgramWorker:
         """k tokens per sequence from its own context; q one-hot at them for sampled rows."""
         seqs = self._rows(seq_ids)
         if k == 0:  # keep the backlog for a step that speculates (a k = 0 step's stats drop it)
-            return Proposal(torch.zeros((len(seqs), 0), dtype=torch.long))
+            return Proposal.empty(len(seqs))
         backlog = (sum(s.checked for s in seqs), sum(s.matched for s in seqs))
         rows = []
         for s in seqs:
@@ -124,7 +124,7 @@ class NgramWorker:
         # the target never reads; ModelWorker leaves them at zero too).
         sampled = torch.tensor([0.0 if s.params.greedy else 1.0 for s in seqs])
         probs = sampled[:, None, None].expand(len(seqs), k, 1).contiguous()  # [B, k, 1]
-        return Proposal(tokens, probs, tokens[..., None], backlog)  # support [B, k, 1]
+        return Proposal(tokens, probs, tokens[..., None].int(), backlog)  # support [B, k, 1]
 
     def commit(self, seq_ids: list[str], new_tokens: list[list[int]], features: list[torch.Tensor] | None = None) -> None:
         """Append each sequence's accepted drafts + target token and index them.
@@ -145,6 +145,10 @@ class NgramWorker:
                 s.checked += 1
                 s.matched += self._continuation(s, 1)[0] == t
                 self._extend(s, [t])
+
+    def take_timings(self) -> dict:
+        """No device work: lookups only (the engine's interface for benchmarks)."""
+        return new_timings()
 
     def info(self) -> dict:
         """What the engine may ask a draft; no model, so no vocabulary or context limit of its own."""

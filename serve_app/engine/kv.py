@@ -27,12 +27,14 @@ class SlotKVCache(Cache):
         self._cap = 0
         self._row_start = 0
         self._positions: torch.Tensor | None = None  # [B, T] positions written by the current forward
+        self._positions_on: dict = {}  # device -> _positions there (a model split over devices: layers differ)
         self._kv_max = 0
 
     def prepare(self, row_start: int, positions: torch.Tensor) -> None:
         """Set where the next forward writes: rows [row_start, row_start+B), positions [B, T]."""
         self._row_start = row_start
         self._positions = positions
+        self._positions_on = {positions.device: positions}
         self._kv_max = int(positions.max()) + 1
         self._rows = max(self._rows, _round_up_pow2(row_start + positions.shape[0]))
         self._cap = max(self._cap, -(-self._kv_max // 128) * 128)
@@ -45,12 +47,19 @@ class SlotKVCache(Cache):
             self.values.append(value_states.new_zeros(shape))
         self._grow(layer_idx)
         r0, bsz = self._row_start, key_states.shape[0]
-        index = self._positions[:, None, :, None].expand_as(key_states)
+        index = self._positions_at(key_states.device)[:, None, :, None].expand_as(key_states)
         keys = self.keys[layer_idx][r0 : r0 + bsz]
         values = self.values[layer_idx][r0 : r0 + bsz]
         keys.scatter_(2, index, key_states)
         values.scatter_(2, index, value_states)
         return keys[:, :, : self._kv_max], values[:, :, : self._kv_max]
+
+    def _positions_at(self, device) -> torch.Tensor:
+        """The current positions on a layer's device: with `--device auto` a model's layers may sit on
+        several GPUs, and a scatter needs its index where its tensor is (copied once per device)."""
+        if device not in self._positions_on:
+            self._positions_on[device] = self._positions.to(device)
+        return self._positions_on[device]
 
     def _grow(self, layer_idx: int) -> None:
         """Reallocate a layer when the batch or the longest sequence outgrew it (amortised, rare)."""

@@ -23,7 +23,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-import torch
 
 from serve_app.config import EngineConfig, SamplingParams
 from serve_app.engine.kv import compact_rows
@@ -210,7 +209,7 @@ class Engine:
             k = self.policy.choose(BatchState(len(self.running), self.config.max_k, self.draft is not None))
             ids = [r.id for r in self.running]
             t = time.perf_counter()
-            proposal = self.draft.propose(ids, k) if k > 0 else Proposal(torch.zeros((len(ids), 0), dtype=torch.long))
+            proposal = self.draft.propose(ids, k) if k > 0 else Proposal.empty(len(ids))
             st.draft_s += time.perf_counter() - t
             t = time.perf_counter()
             verdict = self.target.verify(ids, proposal)
@@ -260,7 +259,7 @@ class Engine:
             if w is not None:
                 w.add(ids, [r.context() for r in new], [r.params for r in new])
         t = time.perf_counter()
-        verdict = self.target.verify(ids, Proposal(torch.zeros((len(ids), 0), dtype=torch.long)))
+        verdict = self.target.verify(ids, Proposal.empty(len(ids)))
         first, features, logprobs = verdict.next_tokens, verdict.features, verdict.logprobs or [None] * len(ids)
         st.verify_s += time.perf_counter() - t
         if self.draft is not None:

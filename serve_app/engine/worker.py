@@ -1,9 +1,11 @@
 """One model (draft or target) with the KV state of the sequences in flight.
 
 The engine drives a pair of these; the Ray deployments wrap each in its own actor. Only token ids
-(and, when sampling, the draft distributions) cross between them:
+and a few numbers per drafted position cross between them (for a sampled row, the draft's proposal
+over its own top-N tokens); warping, sampling, the coupled sampler's noise and logprob top-N run on
+the worker's own device (`sampling.py`):
 
-  draft.propose(ids, k)                     -> Proposal: k tokens per sequence (+ q when sampling)
+  draft.propose(ids, k)                     -> Proposal: k tokens per sequence (+ sparse q when sampling)
   target.verify(ids, proposal)              -> Verdict: accepted count and one recovered/bonus token per
                                                sequence (+ the target's features, for drafts that read them)
   draft.commit(ids, new_tokens, features)   -> draft appends what was accepted, rolls back the rest
@@ -15,6 +17,7 @@ hold tokens[:kv_len]; tokens[kv_len:] are pending and get fed at the start of th
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -23,39 +26,31 @@ import torch
 from serve_app.config import SamplingParams
 from serve_app.profiling.profiles import detect_gpu_type
 from serve_app.engine.kv import SlotKVCache, causal_mask, compact_rows, ragged_inputs
-from serve_app.engine.speculative import accept_greedy, accept_sampled, coupled_choice, coupling_noise, sample, warp_probs
+from serve_app.engine.sampling import TOP_N, Warp, draft_choice, logprob_top, noise_key, verify_walk
 
 
 @dataclass
 class Proposal:
-    """What the draft sends the target for one step.
+    """What the draft sends the target for one step: O(tokens), never vocabulary-sized.
 
-    When sampling, the target needs q, the draft distributions. Top-k / top-p leave most of a
-    vocabulary at zero, so q travels as (support indices, values) when that is smaller.
+    A sampled (unseeded) row also carries q, the distribution its tokens were sampled from: the
+    draft's warped distribution over its own top-N tokens (N = `sampling.TOP_N`, 1 for n-gram),
+    as values and token ids; greedy and seeded rows leave theirs at zero (they are verified by the
+    target's own choice).
     """
 
     tokens: torch.Tensor  # [B, k] long
-    probs: torch.Tensor | None = None  # [B, k, V] q (zeros for greedy rows), or [B, k, S] values if sparse
-    support: torch.Tensor | None = None  # [B, k, S] long vocabulary ids of the values in probs, if sparse
+    probs: torch.Tensor | None = None  # [B, k, N] float32 q values on the support; None: no sampled row
+    support: torch.Tensor | None = None  # [B, k, N] int32 vocabulary ids of those values
     backlog: tuple[int, int] = (0, 0)
     """(checked, matched): committed tokens the draft scored while catching up this step, and how many
     its greedy prediction matched (greedy rows only): acceptance evidence from steps that did not
     speculate, which lets a policy notice when the draft starts agreeing again."""
 
-    def compact(self) -> "Proposal":
-        """Sparse form when every row's support is below a quarter of the vocabulary."""
-        if self.probs is None or self.support is not None:
-            return self
-        width = int((self.probs > 0).sum(-1).max())
-        if width * 4 >= self.probs.shape[-1]:
-            return self
-        values, support = self.probs.topk(width, dim=-1)
-        return Proposal(self.tokens, values, support, self.backlog)
-
-    def dense_probs(self, vocab: int) -> torch.Tensor:  # [B, k, V]
-        if self.support is None:
-            return self.probs
-        return torch.zeros((*self.probs.shape[:2], vocab), dtype=self.probs.dtype).scatter_(-1, self.support, self.probs)
+    @classmethod
+    def empty(cls, rows: int) -> "Proposal":
+        """No drafts (k = 0): the target decodes one token per row (or prefills)."""
+        return cls(torch.zeros((rows, 0), dtype=torch.long))
 
 
 class Verdict(NamedTuple):
@@ -64,11 +59,12 @@ class Verdict(NamedTuple):
     num_accepted: list[int]
     next_tokens: list[int]
     """The recovered (at the first rejection) or bonus (after a full accept) target token."""
-    features: list[torch.Tensor] | None = None
+    features: object = None
     """Only when the target captures features (`capture_features`): per sequence, [n, F] bfloat16
     hidden states of the n positions this forward made final (the pending tokens and the accepted
     drafts; at prefill the whole prompt), F = hidden size x captured layers. bfloat16: half the bytes
-    of float32 across actors, with float32's range (residual streams can exceed float16's)."""
+    of float32 across actors, with float32's range (residual streams can exceed float16's). Between
+    Ray actors this is a reference to them: they go from the target's actor to the draft's directly."""
     logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None] | None = None
     """Only for sequences that ask (`SamplingParams.logprobs`): per emitted token (accepted drafts, then
     the next token), the target's log-probability of it and the top alternatives [(id, logprob)],
@@ -114,6 +110,14 @@ class ModelWorker:
         self.order: list[str] = []  # order[row] = sequence id
         self.feature_layers: list[int] = []  # target: residual-stream inputs of these layers are captured
         self._captured: dict[int, torch.Tensor] = {}  # layer id -> [B, T, H] of the current forward
+        self.top_n = TOP_N
+        self.timings = new_timings()
+
+    def take_timings(self) -> dict:
+        """Device work since the last call (forwards; vocabulary-sized math beside them) and the bytes
+        handed to another actor directly; resets them. Benchmarks read these to split a step."""
+        out, self.timings = self.timings, new_timings()
+        return out
 
     # ---- lifecycle -------------------------------------------------------------------------
     def add(self, seq_ids: list[str], prompts: list[list[int]], params: list[SamplingParams]) -> None:
@@ -158,25 +162,24 @@ class ModelWorker:
         seqs = self._rows(seq_ids)
         lens = [len(s.tokens) for s in seqs]
         fed = [s.tokens[s.kv_len :] for s in seqs]
-        tokens, probs, backlog = [], [], (0, 0)
+        tokens, probs, support, backlog = [], [], [], (0, 0)
         # After steps without speculation the draft has a backlog of committed tokens to feed; scoring
         # the last few (about 256 over the batch) costs little and shows how well it would have done.
         window = min(max(len(f) for f in fed), max(2, 256 // len(seqs)), 32)
+        draw = self._drawer(seqs)
         for j in range(k):
             logits = self._forward(seq_ids, fed, keep=window if j == 0 else 1,
                                    starts=[n + j - len(f) for n, f in zip(lens, fed)])
             if j == 0:
-                backlog = _backlog_agreement(seqs, fed, logits)
-            tok, q = self._draw(seqs, logits[:, -1], [n + j for n in lens])
+                backlog = self._timed(_backlog_agreement, seqs, fed, logits)
+            tok, q, ids = self._timed(draw, logits[:, -1], [n + j for n in lens])
             tokens.append(tok)
             probs.append(q)
+            support.append(ids)
             fed = [[t] for t in tok.tolist()]
         for s, n in zip(seqs, lens):
             s.proposal_kv = n + k - 1 if k > 0 else -1
-        if k == 0:
-            return Proposal(torch.zeros((len(seqs), 0), dtype=torch.long))
-        any_sampled = any(not s.params.greedy for s in seqs)
-        return Proposal(torch.stack(tokens, 1), torch.stack(probs, 1) if any_sampled else None, backlog=backlog).compact()
+        return _proposal(tokens, probs, support, len(seqs), backlog)
 
     def commit(self, seq_ids: list[str], new_tokens: list[list[int]], features: list[torch.Tensor] | None = None) -> None:
         """Append each sequence's accepted drafts + target token; keep only KV that is still valid.
@@ -203,40 +206,42 @@ class ModelWorker:
         k = proposal.tokens.shape[1]
         lens = [len(s.tokens) for s in seqs]
         logits = self._forward(seq_ids, [s.tokens[s.kv_len :] + d for s, d in zip(seqs, drafts)], keep=k + 1)
-        num_acc = torch.zeros(len(seqs), dtype=torch.long)
-        next_tok = torch.zeros(len(seqs), dtype=torch.long)
-        greedy = [b for b, s in enumerate(seqs) if s.params.greedy]
-        coupled = [b for b, s in enumerate(seqs) if _coupled(s)]
-        sampled = [b for b, s in enumerate(seqs) if not s.params.greedy and not _coupled(s)]
-        if greedy:
-            g = torch.tensor(greedy)
-            n, t = accept_greedy(proposal.tokens[g], logits[g].argmax(-1).cpu())
-            num_acc[g], next_tok[g] = n, t
-        if coupled:  # the target's own coupled choice at every position; drafts accepted while they match
-            cb = torch.tensor(coupled)
-            rows = [seqs[b] for b in coupled]
-            p = self._warp(rows, logits[cb].reshape(len(coupled) * (k + 1), -1), repeat=k + 1).cpu()
-            noise = torch.stack([coupling_noise(s.params.seed, lens[b] + j, p.shape[-1])
-                                 for b, s in zip(coupled, rows) for j in range(k + 1)])
-            choice = coupled_choice(p, noise).reshape(len(coupled), k + 1)
-            n, t = accept_greedy(proposal.tokens[cb], choice)
-            num_acc[cb], next_tok[cb] = n, t
-        if sampled:
-            sb = torch.tensor(sampled)
-            rows = [seqs[b] for b in sampled]
-            p = self._warp(rows, logits[sb].reshape(len(sampled) * (k + 1), -1), repeat=k + 1)
-            p = p.reshape(len(sampled), k + 1, -1).cpu()
-            u = torch.stack([torch.rand(k + 1, generator=s.generator) for s in rows])  # [Bs, k+1]
-            q = proposal.dense_probs(p.shape[-1])[sb] if k > 0 else p[:, :0]
-            n, t = accept_sampled(proposal.tokens[sb], q, p, u[:, :k], u[:, k])
-            num_acc[sb], next_tok[sb] = n, t
+        t0 = time.perf_counter()
+        dev = logits.device
+        bsz = len(seqs)
+        greedy = torch.tensor([s.params.greedy for s in seqs], device=dev)
+        seeded = torch.tensor([_coupled(s) for s in seqs], device=dev)
+        # Per row and position: a seeded row's noise key comes from (seed, position); an unseeded sampled
+        # row draws a random key (its recovered / bonus token) and k uniforms (its accept tests) from its
+        # own generator: a few numbers per row, not vocabulary-sized.
+        keys, u = [], []
+        for s, n in zip(seqs, lens):
+            if _coupled(s):
+                keys.append([noise_key(s.params.seed, n + j) for j in range(k + 1)])
+            elif _sampled(s):
+                keys.append(torch.randint(0, 2**31 - 1, (k + 1,), generator=s.generator).tolist())
+                u.append(torch.rand(k, generator=s.generator))
+                continue
+            else:
+                keys.append([-1] * (k + 1))
+            u.append(torch.zeros(k))
+        keys = torch.tensor(keys, dtype=torch.int32, device=dev).reshape(bsz, k + 1)
+        u = torch.stack(u).to(dev) if k else torch.zeros((bsz, 0), device=dev)
+        q_values = q_ids = None
+        if proposal.probs is not None:
+            q_values, q_ids = proposal.probs.to(dev), proposal.support.to(dev)
+        num_acc, next_tok = verify_walk(logits, proposal.tokens.to(dev), greedy, keys, seeded,
+                                        Warp.of([s.params for s in seqs], dev), q_values, q_ids, u)
+        num_acc, next_tok = num_acc.tolist(), next_tok.tolist()
         pending = [len(s.tokens) - s.kv_len for s in seqs]  # fed before the drafts; all now final
-        for s, n_b, d, t, length in zip(seqs, num_acc.tolist(), drafts, next_tok.tolist(), lens):
+        for s, n_b, d, t, length in zip(seqs, num_acc, drafts, next_tok, lens):
             s.tokens.extend(d[:n_b] + [t])
             s.kv_len = length + n_b  # KV through the last accepted draft; t is pending
-        features = self._features(pending, num_acc.tolist(), k) if self.feature_layers else None
-        logprobs = _logprobs(seqs, logits, drafts, num_acc.tolist(), next_tok.tolist())
-        return Verdict(num_acc.tolist(), next_tok.tolist(), features, logprobs)
+        features = self._features(pending, num_acc, k) if self.feature_layers else None
+        logprobs = _logprobs(seqs, logits, drafts, num_acc, next_tok)
+        self._sync()
+        self.timings["sample_s"] += time.perf_counter() - t0
+        return Verdict(num_acc, next_tok, features, logprobs)
 
     # ---- target features (for drafts that read them, EAGLE-style) -----------------------------
     def capture_features(self, layers: list[int]) -> None:
@@ -263,11 +268,14 @@ class ModelWorker:
     def _features(self, pending: list[int], accepted: list[int], k: int) -> list[torch.Tensor]:
         """Per row, the captured features of the positions this forward made final: its pending
         tokens and its accepted drafts. Rows are left-padded, so row b's fed tokens are its last
-        pending[b] + k columns."""
-        h = torch.cat([self._captured.pop(i) for i in self.feature_layers], dim=-1)  # [B, T, F]
+        pending[b] + k columns. Layers of a model split over devices are gathered on the first one's."""
+        grabbed = [self._captured.pop(i) for i in self.feature_layers]
+        h = torch.cat([g.to(grabbed[0].device) for g in grabbed], dim=-1)  # [B, T, F]
         width = h.shape[1]
-        return [h[b, width - p - k : width - k + n].to(torch.bfloat16).cpu()
-                for b, (p, n) in enumerate(zip(pending, accepted))]
+        keep = torch.cat([torch.arange(b * width + width - p - k, b * width + width - k + n, device=h.device)
+                          for b, (p, n) in enumerate(zip(pending, accepted))])
+        rows = h.reshape(-1, h.shape[-1])[keep].to(torch.bfloat16).cpu()  # one copy off the device
+        return list(rows.split([p + n for p, n in zip(pending, accepted)]))
 
     def info(self) -> dict:
         """What the engine needs to know about this model without holding it."""
@@ -294,6 +302,7 @@ class ModelWorker:
         seqs = [self.seqs[s] for s in seq_ids]
         if starts is None:
             starts = [s.kv_len for s in seqs]
+        t0 = time.perf_counter()
         ids, pos = ragged_inputs(fed, starts, self.pad_id)
         ids, pos = ids.to(self.device), pos.to(self.device)
         self.cache.prepare(self.order.index(seq_ids[0]), pos)
@@ -306,39 +315,40 @@ class ModelWorker:
             use_cache=True,
             logits_to_keep=keep,
         )
+        self._sync()
+        self.timings["forward_s"] += time.perf_counter() - t0
         return out.logits
 
-    def _warp(self, seqs: list[Sequence], logits: torch.Tensor, repeat: int = 1) -> torch.Tensor:
-        """Warped probabilities for rows of logits [N*repeat, V], each row repeated per sequence."""
-        ps = [s.params for s in seqs]
+    def _sync(self) -> None:
+        """Wait for the device, so timings measure work done, not work queued."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
-        def col(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=logits.device).repeat_interleave(repeat)
+    def _timed(self, fn, *args):
+        """Run vocabulary-sized work beside a forward and count it as such."""
+        t0 = time.perf_counter()
+        out = fn(*args)
+        self._sync()
+        self.timings["sample_s"] += time.perf_counter() - t0
+        return out
 
-        return warp_probs(
-            logits,
-            col([p.temperature for p in ps], torch.float32),
-            col([p.top_k for p in ps], torch.long),
-            col([p.top_p for p in ps], torch.float32),
-        )
+    def _drawer(self, seqs: list[Sequence]):
+        """draw(logits [B, V], positions) -> (tokens [B], q values [B, N] | None, q ids [B, N] | None): the
+        next draft token per row for the token at positions[b] (`sampling.draft_choice`)."""
+        dev = self.device
+        greedy = torch.tensor([s.params.greedy for s in seqs], device=dev)
+        if bool(greedy.all()):
+            return lambda logits, positions: (logits.max(dim=-1).indices.cpu(), None, None)
+        w = Warp.of([s.params for s in seqs], dev)
 
-    def _draw(self, seqs: list[Sequence], logits: torch.Tensor, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Next draft token per row of logits [B, V] for the token at positions[b]: argmax for greedy
-        rows, the coupled choice for seeded rows, a sample from q otherwise."""
-        tokens = logits.argmax(-1).cpu()
-        sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
-        if not sampled:
-            return tokens, None
-        sb = torch.tensor(sampled)
-        q = torch.zeros(logits.shape, dtype=torch.float32)
-        q[sb] = self._warp([seqs[b] for b in sampled], logits[sb]).cpu()
-        for b in sampled:
-            s = seqs[b]
-            if _coupled(s):
-                tokens[b] = coupled_choice(q[b : b + 1], coupling_noise(s.params.seed, positions[b], q.shape[-1])[None])[0]
-            else:
-                tokens[b] = sample(q[b : b + 1], torch.rand(1, generator=s.generator))[0]
-        return tokens, q
+        def draw(logits, positions):
+            keys = torch.tensor([noise_key(s.params.seed, n) if _coupled(s) else -1 for s, n in zip(seqs, positions)],
+                                dtype=torch.int32, device=dev)
+            u = torch.stack([torch.rand(1, generator=s.generator)[0] if _sampled(s) else torch.zeros(()) for s in seqs]).to(dev)
+            tok, q, ids = draft_choice(logits, greedy, keys, w, u, self.top_n)
+            return tok.cpu(), q.cpu(), ids.cpu()
+
+        return draw
 
 
 def _backlog_agreement(seqs: list[Sequence], fed: list[list[int]], logits: torch.Tensor) -> tuple[int, int]:
@@ -348,7 +358,7 @@ def _backlog_agreement(seqs: list[Sequence], fed: list[list[int]], logits: torch
     pending token is checked against the pending token after it, which the target already committed.
     """
     w = logits.shape[1]
-    pred = logits[:, :-1].argmax(-1).tolist()  # [B, W-1]
+    pred = logits[:, :-1].max(dim=-1).indices.tolist() if w > 1 else [[] for _ in seqs]  # [B, W-1]
     checked = matched = 0
     for b, (s, f) in enumerate(zip(seqs, fed)):
         n = min(len(f), w)  # real tokens in the window; the rest is padding
@@ -362,25 +372,47 @@ def _backlog_agreement(seqs: list[Sequence], fed: list[list[int]], logits: torch
 def _logprobs(seqs: list[Sequence], logits: torch.Tensor, drafts: list[list[int]], num_acc: list[int],
               next_tok: list[int]) -> list | None:
     """Verdict.logprobs: the target's own log-probabilities of what each asking sequence emits. Position
-    j of this forward scored the j-th emitted token, so they are the same at any k (and without a draft)."""
+    j of this forward scored the j-th emitted token, so they are the same at any k (and without a draft).
+    Computed on the device over the emitted positions only; ids and numbers leave it."""
     rows = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
     if not rows:
         return None
+    emitted = {b: drafts[b][: num_acc[b]] + [next_tok[b]] for b in rows}
+    width = max(len(e) for e in emitted.values())
+    tokens = torch.tensor([emitted[b] + [0] * (width - len(emitted[b])) for b in rows], device=logits.device)
+    top = max(seqs[b].params.logprobs for b in rows)
+    chosen, vals, ids = logprob_top(logits[torch.tensor(rows, device=logits.device), :width], tokens, top)
+    chosen, vals, ids = chosen.tolist(), vals.tolist(), ids.tolist()
     out: list = [None] * len(seqs)
-    picked = logits[torch.tensor(rows, device=logits.device)]
-    lsm = torch.log_softmax(picked.double() if picked.dtype == torch.float64 else picked.float(), dim=-1).cpu()  # [R, k+1, V]
     for i, b in enumerate(rows):
-        top = seqs[b].params.logprobs
-        emitted = drafts[b][: num_acc[b]] + [next_tok[b]]
-        vals, ids = lsm[i, : len(emitted)].topk(top, dim=-1) if top else (None, None)
-        out[b] = [(lsm[i, j, t].item(), list(zip(ids[j].tolist(), vals[j].tolist())) if top else [])
-                  for j, t in enumerate(emitted)]
+        n = seqs[b].params.logprobs
+        out[b] = [(chosen[i][j], list(zip(ids[i][j][:n], vals[i][j][:n]))) for j in range(len(emitted[b]))]
     return out
 
 
 def _coupled(s: Sequence) -> bool:
     """Seeded sampled requests use the coupled sampler: the same text whatever k is chosen."""
     return not s.params.greedy and s.params.seed is not None
+
+
+def _sampled(s: Sequence) -> bool:
+    """Unseeded sampled requests: rejection sampling with uniforms from the sequence's generator."""
+    return not s.params.greedy and s.params.seed is None
+
+
+def new_timings() -> dict:
+    """What `take_timings` reports: seconds of forwards and of the vocabulary-sized work beside them,
+    and bytes handed straight to another actor."""
+    return {"forward_s": 0.0, "sample_s": 0.0, "direct_bytes": 0}
+
+
+def _proposal(tokens: list, probs: list, support: list, rows: int, backlog: tuple[int, int]) -> Proposal:
+    """A Proposal from per-position draws: tokens [B] each, and q [B, N] each when any row samples."""
+    if not tokens:
+        return Proposal.empty(rows)
+    if probs[0] is None:
+        return Proposal(torch.stack(tokens, 1), backlog=backlog)
+    return Proposal(torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(support, 1), backlog)
 
 
 def _role_seed(seed: int | None, role: str) -> int:

@@ -1,0 +1,327 @@
+"""Vocabulary-sized work, on the worker's own device and vectorised over the batch.
+
+Nothing here loops in Python over vocabulary-sized rows, and nothing vocabulary-sized leaves the
+device: what crosses between actors is token ids and, for a sampled row, the draft's proposal
+distribution over its own top-N tokens (`TOP_N` ids and values per drafted position).
+
+- `warp_`: temperature, top-k and top-p on logits without sorting the vocabulary (a top-k pass finds
+  the nucleus; only a row whose nucleus is wider than the candidates looks further).
+- `draft_choice`: the draft's token per row: argmax (greedy), a sample from q = its warped top-N
+  renormalized (sampled), or the coupled choice (seeded). Rejection sampling is exact
+  for ANY proposal distribution as long as the target verifies against the one the draft really
+  sampled from, so a top-N q costs nothing in exactness and only N numbers per position in transfer.
+- `verify_walk`: the target's decision, position by position, only for rows still accepting: greedy
+  rows compare the argmax, seeded rows the coupled choice, sampled rows run the rejection test against
+  the sparse q and draw the recovered (residual) or bonus token.
+- `gumbel_argmax`: an exact sample from a row of logits by Gumbel-max, scoring a few blocks of the
+  vocabulary token by token and the rest by a per-block bound.
+- `gumbel` / `noise_e`: the coupled sampler's noise, a counter-based hash of (seed, position, token id)
+  in int32 arithmetic, so the same bits on every device, at any k, batch, draft or resume.
+- `logprob_top`: the target's log-probabilities of the emitted tokens and their top alternatives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from serve_app.engine.speculative import accept_rejection, residual_logits_, sample
+
+TOP_N = 64
+"""Width of a sampled draft row's proposal: the draft samples from its warped distribution restricted
+to its TOP_N most likely tokens (renormalized) and sends those ids and probabilities. At a chat
+model's temperatures the top 64 hold nearly all of the draft's mass, so acceptance is unchanged
+(results/bench-acceptance-sampling-*), and 64 x (4 + 4) bytes per drafted position keeps a batch of
+32 at k = 4 under 64 KB."""
+
+BLOCK_BITS = 4
+BLOCK = 1 << BLOCK_BITS
+"""The coupled sampler's noise is laid out in vocabulary blocks of this many tokens (`noise_e`); a power
+of two, so a token's block and offset are a shift and a mask (int64 division is slow on CPUs)."""
+SCAN = (32, 256)
+"""Blocks `gumbel_argmax` scores token by token, in rounds, before its bound decides whether any other
+could win. Measured on random logits of scale 1-8 over a 128k vocabulary (16-token blocks): the
+blocks whose bound reaches the winner's score number 3-10 at the median and at most 56."""
+
+_MULT = (0x2545F491, 0x7FEB352D, 0x5BD1E995)  # odd, below 2**31: int32 products wrap the same everywhere
+_MASK64 = 2**64 - 1
+_SALT_MIN, _SALT_AT = 0x3C6EF372, 0x1B873593  # separate streams for a block's minimum and its position
+
+
+# ---- the coupled sampler's noise ----------------------------------------------------------------
+def noise_key(seed: int, position: int) -> int:
+    """A 31-bit key for one (seed, position), mixed in Python integers (exact on any machine)."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) & 0x7FFFFFFF
+
+
+def _hash32(ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:  # ids [N, M] or [M], keys [N, 1] int32
+    """Murmur-style finalizer over int32 with wrapping products; shifts are made logical by masking
+    (int32 >> is arithmetic). A pure-Python twin in the tests checks the bits. In place after the
+    first op: at a 128k vocabulary each temporary is a pass over memory."""
+    v = keys + ids * _MULT[0]
+    v ^= (v >> 16).bitwise_and_(0xFFFF)
+    v *= _MULT[1]
+    v ^= (v >> 15).bitwise_and_(0x1FFFF)
+    v *= _MULT[2]
+    v ^= (v >> 16).bitwise_and_(0xFFFF)
+    return v
+
+
+def _expo(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # keys [N, 1] int32, ids [N, M] -> [N, M]
+    """Exp(1) variables -log(u), u the hash's top 24 bits (exact in float32, never 0 or 1)."""
+    u = _hash32(ids.to(torch.int32), keys).bitwise_right_shift_(8).bitwise_and_(0xFFFFFF).float().add_(0.5)
+    return u.mul_(1.0 / 16777216).log_().neg_()
+
+
+def _block_minimum(keys: torch.Tensor, blocks: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row and block [N, nb]: the smallest Exp(1) of the block's tokens, E_min ~ Exp(size), and
+    which of them (0 .. size-1) holds it, uniform."""
+    size = (vocab - blocks * BLOCK).clamp(max=BLOCK)  # [nb]: the last block may be short
+    e_min = _expo(keys + _SALT_MIN, blocks.expand(keys.shape[0], -1)) / size
+    at = _hash32(blocks.to(torch.int32).expand(keys.shape[0], -1), keys + _SALT_AT).bitwise_and_(0x7FFFFFFF) % size
+    return e_min, at
+
+
+def noise_e(keys: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:  # keys [N], ids [N, M] -> [N, M]
+    """The coupled sampler's exponential race variables E(x) ~ Exp(1), independent over tokens, a function
+    of (key, token id, vocabulary size) only. Built by block: a block's minimum E_min and its position
+    come from the block's own hash; every other token of it gets E_min + Exp(1) from its own hash
+    (given the minimum, the others are the minimum plus independent Exp(1): memorylessness), which is
+    exactly the joint law of iid Exp(1) variables. `gumbel_argmax` then bounds a whole block by its
+    largest logit - log E_min."""
+    keys = keys.to(torch.int32)[:, None]
+    ids = ids.long()
+    blocks = ids >> BLOCK_BITS
+    e_min, at = _block_minimum(keys, torch.arange((vocab + BLOCK - 1) // BLOCK, device=ids.device)[None, :], vocab)
+    e_b, at_b = e_min.gather(1, blocks), at.gather(1, blocks)
+    return torch.where((ids & (BLOCK - 1)) == at_b, e_b, e_b + _expo(keys, ids))
+
+
+def gumbel(keys: torch.Tensor, ids: torch.Tensor | None, vocab: int) -> torch.Tensor:  # [N, M or V] float32
+    """Gumbel(0, 1) noise -log E(x) for rows keyed by `keys` [N] (int32, from noise_key) at token ids
+    [N, M], or at every token when ids is None: the same (key, id) gives the same noise whatever else
+    is in the batch. argmax(logits + gumbel) is an exact sample from softmax(logits) (Gumbel-max)."""
+    if ids is None:
+        ids = torch.arange(vocab, device=keys.device)[None, :].expand(len(keys), -1)
+    return noise_e(keys, ids, vocab).log_().neg_()
+
+
+def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:  # logits [R, V] -> [R] long
+    """argmax(logits + gumbel(keys)) without the whole vocabulary's noise where it cannot matter. A token
+    of block b scores logit - log E(x) <= max logit in b - log E_min(b): score the blocks with the
+    highest such bound token by token; once the best score beats the next block's bound, no other
+    token can win. Rows still open after the last round take every token's noise. Exact."""
+    rows, vocab = logits.shape
+    dev = logits.device
+    nb, full = (vocab + BLOCK - 1) // BLOCK, vocab // BLOCK
+    block_max = torch.empty((rows, nb), dtype=torch.float32, device=dev)
+    block_max[:, :full] = logits[:, : full * BLOCK].reshape(rows, full, BLOCK).amax(dim=-1)
+    if nb > full:
+        block_max[:, full] = logits[:, full * BLOCK :].amax(dim=-1)
+    e_min, _ = _block_minimum(keys.to(torch.int32)[:, None], torch.arange(nb, device=dev)[None, :], vocab)
+    bound = block_max.sub_(e_min.log_())  # [R, nb]
+    choice = torch.empty(rows, dtype=torch.long, device=dev)
+    todo = torch.arange(rows, device=dev)
+    for m in SCAN:
+        m = min(m, nb)
+        top_bound, top_blocks = bound[todo].topk(min(m + 1, nb), dim=-1)
+        ids = (top_blocks[:, :m, None] * BLOCK + torch.arange(BLOCK, device=dev)).reshape(len(todo), m * BLOCK)
+        real = ids < vocab
+        ids = ids.clamp_(max=vocab - 1)
+        scores = logits[todo].gather(1, ids).float().sub_(noise_e(keys[todo], ids, vocab).log_()).masked_fill_(~real, float("-inf"))
+        best, at = scores.max(dim=-1)
+        choice[todo] = ids.gather(1, at[:, None]).squeeze(1)
+        if m == nb:
+            return choice
+        todo = todo[top_bound[:, m] >= best]  # the next block might hold a better token
+        if not len(todo):
+            return choice
+    choice[todo] = (logits[todo].float() + gumbel(keys[todo], None, vocab)).max(dim=-1).indices
+    return choice
+
+
+# ---- warping ------------------------------------------------------------------------------------
+@dataclass
+class Warp:
+    """Per-row sampling settings on the worker's device."""
+
+    temperature: torch.Tensor  # [N] float32, > 0
+    top_k: torch.Tensor  # [N] long, 0 = off
+    top_p: torch.Tensor  # [N] float32, 1.0 = off
+
+    @classmethod
+    def of(cls, params: list, device) -> "Warp":
+        """From SamplingParams (greedy rows get temperature 1: they are never warped)."""
+        return cls(torch.tensor([p.temperature or 1.0 for p in params], dtype=torch.float32, device=device),
+                   torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+                   torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device))
+
+    def rows(self, index: torch.Tensor) -> "Warp":
+        return Warp(self.temperature[index], self.top_k[index], self.top_p[index])
+
+
+def warp_(logits: torch.Tensor, w: Warp) -> torch.Tensor:  # [N, V] float32, changed in place
+    """Temperature, then top-k, then top-p on the top-k renormalized distribution (a token stays while
+    the mass strictly before it is below top_p; the first always stays), on a float32 tensor the caller
+    owns. Dropped tokens get -inf, so softmax of the result is the distribution a request samples
+    from. A token tied with the last kept one is kept too (the cut is a threshold on the logit)."""
+    if bool((w.temperature != 1.0).any()):
+        logits /= w.temperature[:, None]
+    cut = (w.top_k > 0) | (w.top_p < 1.0)
+    if bool(cut.all()):
+        logits.copy_(_truncate(logits, w.top_k, w.top_p))
+    elif bool(cut.any()):
+        rows = cut.nonzero().squeeze(1)
+        logits[rows] = _truncate(logits[rows], w.top_k[rows], w.top_p[rows])
+    return logits
+
+
+def _truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:  # [R, V]
+    """Apply top-k / top-p to rows of scaled logits from a top-`width` pass; a row whose nucleus may
+    reach past the candidates is redone wider (8x, up to the whole vocabulary)."""
+    vocab = x.shape[-1]
+    k_eff = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))  # [R]
+    total = torch.logsumexp(x, dim=-1, keepdim=True)  # [R, 1], the normalizer when top-k is off
+    width = min(vocab, max(64, int(k_eff.max()) if bool((top_k > 0).all()) else 64))
+    threshold = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
+    todo = torch.arange(x.shape[0], device=x.device)
+    while len(todo):
+        vals = x[todo].topk(width, dim=-1).values  # [T, width], descending
+        ranks = torch.arange(width, device=x.device)[None, :]
+        in_k = ranks < k_eff[todo, None]
+        # top-k renormalizes over its k tokens: known once they are all among the candidates; with
+        # top-k off the whole vocabulary's normalizer holds; a top-k wider than the candidates waits
+        within = k_eff[todo] <= width
+        norm = torch.where(within[:, None], torch.logsumexp(vals.masked_fill(~in_k, float("-inf")), dim=-1, keepdim=True),
+                           total[todo])
+        probs = (vals - norm).exp().masked_fill(~in_k, 0.0)
+        keep = in_k & (probs.cumsum(dim=-1) - probs < top_p[todo, None])
+        kept = keep.sum(dim=-1)  # [T] >= 1
+        done = within | ((kept < width) & (k_eff[todo] == vocab))
+        threshold[todo[done]] = vals[done].gather(1, (kept[done] - 1)[:, None]).squeeze(1)
+        todo = todo[~done]
+        width = min(vocab, width * 8)
+    return x.masked_fill_(x < threshold[:, None], float("-inf"))
+
+
+# ---- the draft's side ---------------------------------------------------------------------------
+def draft_choice(
+    logits: torch.Tensor,  # [B, V] the draft's logits at one drafted position
+    greedy: torch.Tensor,  # [B] bool
+    keys: torch.Tensor,  # [B] int32 noise keys, -1 for rows without a seed (sampled by uniforms)
+    w: Warp,
+    u: torch.Tensor,  # [B] uniforms for sampled rows
+    top_n: int = TOP_N,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """tokens [B], and for the unseeded sampled rows' exact verification q's values [B, N] and ids
+    [B, N] (zero rows for greedy and seeded rows, which the target verifies by its own choice, not by
+    q; None when every row is greedy). A seeded row makes the coupled choice over its whole warped
+    row, as the target does, so a draft equal to the target is always accepted."""
+    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    if bool(greedy.any()):
+        tokens[greedy] = logits[greedy].max(dim=-1).indices
+    if bool(greedy.all()):
+        return tokens, None, None
+    n = min(top_n, logits.shape[-1])
+    seeded = (keys >= 0) & ~greedy
+    if bool(seeded.any()):  # the coupled choice over the draft's whole warped row, as the target makes it
+        rows = seeded.nonzero().squeeze(1)
+        tokens[rows] = gumbel_argmax(warp_(logits.index_select(0, rows).float(), w.rows(rows)), keys[rows])
+    plain = (~greedy & ~seeded).nonzero().squeeze(1)
+    values = torch.zeros((logits.shape[0], n), dtype=torch.float32, device=logits.device)
+    support = torch.zeros((logits.shape[0], n), dtype=torch.int32, device=logits.device)
+    if not len(plain):
+        return tokens, values, support
+    # q: the warped draft distribution over its top-n tokens, renormalized (top-k / top-p applied
+    # within them: any q is exact, this one stays close to the draft's own). A positive temperature
+    # keeps the order, so the top-n of the raw logits are the top-n of the scaled ones.
+    vals, ids = logits.index_select(0, plain).topk(n, dim=-1)  # [R, n] descending
+    vals = vals.float() / w.temperature[plain, None]
+    q = _truncate(vals, w.top_k[plain], w.top_p[plain]).softmax(dim=-1)  # [R, n]
+    tokens[plain] = ids.gather(1, sample(q, u[plain])[:, None]).squeeze(1)
+    values[plain], support[plain] = q, ids.int()
+    return tokens, values, support
+
+
+# ---- the target's side --------------------------------------------------------------------------
+def verify_walk(
+    logits: torch.Tensor,  # [B, k+1, V] the target's logits after each fed draft position
+    drafts: torch.Tensor,  # [B, k] long, on logits' device
+    greedy: torch.Tensor,  # [B] bool
+    keys: torch.Tensor,  # [B, k+1] int32 noise keys per position: seeded rows' from (seed, position),
+    #                      unseeded sampled rows' random (their recovered / bonus draw), -1 for greedy
+    seeded: torch.Tensor,  # [B] bool: the coupled sampler's rows
+    w: Warp,
+    q_values: torch.Tensor | None,  # [B, k, N] the draft's q for unseeded sampled rows (zeros elsewhere)
+    q_ids: torch.Tensor | None,  # [B, k, N] its token ids
+    accept_u: torch.Tensor,  # [B, k] uniforms for the rejection tests
+) -> tuple[torch.Tensor, torch.Tensor]:  # num_accepted [B] long, next_token [B] long
+    """Walk the k+1 positions, touching only rows that accepted every draft so far: greedy rows accept
+    while the draft equals the argmax, seeded rows while it equals the target's coupled choice (so the
+    text is the target's coupled sample whatever k is), sampled rows by rejection sampling against q.
+    A row leaves the walk with its recovered token at its first rejection, or its bonus token after
+    position k. Cost: a few vocabulary passes per row and position actually reached."""
+    bsz, k = drafts.shape
+    dev = logits.device
+    num_acc = torch.zeros(bsz, dtype=torch.long, device=dev)
+    next_tok = torch.zeros(bsz, dtype=torch.long, device=dev)
+    active = torch.arange(bsz, device=dev)
+    flat = logits.reshape(bsz * (k + 1), logits.shape[-1])  # [B*(k+1), V]: rows are contiguous, copies are cheap
+    for j in range(k + 1):
+        if not len(active):
+            break
+        g = greedy[active]
+        token = torch.empty(len(active), dtype=torch.long, device=dev)
+        accepted = torch.zeros(len(active), dtype=torch.bool, device=dev)
+        if bool(g.all()):
+            token = flat.index_select(0, active * (k + 1) + j).max(dim=-1).indices
+        else:
+            x = flat.index_select(0, active * (k + 1) + j).float()  # [A, V]: our own copy, warped in place
+            token[g] = x[g].max(dim=-1).indices
+            rows = (~g).nonzero().squeeze(1)
+            x = warp_(x[rows], w.rows(active[rows]))  # [R, V]
+            rows_b = active[rows]
+            c = seeded[rows_b]
+            if bool(c.any()):  # the coupled choice: the emitted token depends only on p and the seed
+                token[rows[c]] = gumbel_argmax(x[c], keys[rows_b[c], j])
+            s = (~c).nonzero().squeeze(1)
+            if len(s) and j < k:  # rejection test against the draft's q, then the recovered token
+                xs, sb = x[s], rows_b[s]
+                lse = torch.logsumexp(xs, dim=-1)
+                d = drafts[sb, j]
+                ids, vals = q_ids[sb, j].long(), q_values[sb, j]
+                q_x = (vals * (ids == d[:, None])).sum(dim=1)
+                ok = accept_rejection((xs.gather(1, d[:, None]).squeeze(1) - lse).exp(), q_x, accept_u[sb, j])
+                accepted[rows[s]] = ok
+                rej = (~ok).nonzero().squeeze(1)
+                if len(rej):
+                    r = residual_logits_(xs[rej], lse[rej], vals[rej], ids[rej])
+                    token[rows[s[rej]]] = gumbel_argmax(r, keys[sb[rej], j])
+            elif len(s):  # the bonus token, from p
+                token[rows[s]] = gumbel_argmax(x[s], keys[rows_b[s], j])
+        if j < k:  # greedy and seeded rows accept while their choice is the draft
+            accepted |= (g | seeded[active]) & (token == drafts[active, j])
+        next_tok[active[~accepted]] = token[~accepted]
+        num_acc[active[accepted]] += 1
+        active = active[accepted]
+    return num_acc, next_tok
+
+
+def logprob_top(
+    logits: torch.Tensor,  # [R, T, V] raw target logits at the emitted positions
+    tokens: torch.Tensor,  # [R, T] long: the emitted token at each position
+    top: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # chosen [R, T], top values [R, T, top], top ids [R, T, top]
+    """Log-probabilities (before temperature / top-k / top-p) of the emitted tokens and the `top` most
+    likely alternatives, on the device; only these small tensors leave it."""
+    lsm = torch.log_softmax(logits.double() if logits.dtype == torch.float64 else logits.float(), dim=-1)
+    chosen = lsm.gather(-1, tokens[..., None]).squeeze(-1)
+    vals, ids = lsm.topk(top, dim=-1) if top else (lsm[..., :0], tokens[..., None][..., :0])
+    return chosen, vals, ids
+
+
+__all__ = ["TOP_N", "Warp", "draft_choice", "gumbel", "gumbel_argmax", "logprob_top", "noise_e", "noise_key", "verify_walk", "warp_"]
