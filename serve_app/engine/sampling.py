@@ -77,13 +77,46 @@ def _expo(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # keys [N, 1]
     return u.mul_(1.0 / 16777216).log_().neg_()
 
 
-def _block_minimum(keys: torch.Tensor, blocks: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row and block [N, nb]: the smallest Exp(1) of the block's tokens, E_min ~ Exp(size), and
-    which of them (0 .. size-1) holds it, uniform."""
-    size = (vocab - blocks * BLOCK).clamp(max=BLOCK)  # [nb]: the last block may be short
-    e_min = _expo(keys + _SALT_MIN, blocks.expand(keys.shape[0], -1)) / size
-    at = _hash32(blocks.to(torch.int32).expand(keys.shape[0], -1), keys + _SALT_AT).bitwise_and_(0x7FFFFFFF) % size
-    return e_min, at
+def _block_minimum(keys: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:  # keys [N, 1] -> [N, nb] x 2
+    """Per row and block: the smallest Exp(1) of the block's tokens, E_min ~ Exp(size), and which of
+    them (0 .. size-1) holds it, uniform (a mask for full blocks; the short last block takes a modulo)."""
+    nb = (vocab + BLOCK - 1) // BLOCK
+    blocks = torch.arange(nb, device=keys.device)[None, :].expand(keys.shape[0], -1)
+    size = (vocab - torch.arange(nb, device=keys.device) * BLOCK).clamp(max=BLOCK)  # [nb]
+    e_min = _expo(keys + _SALT_MIN, blocks) / size
+    h = _hash32(blocks.to(torch.int32), keys + _SALT_AT).bitwise_and_(0x7FFFFFFF)
+    at = h & (BLOCK - 1)
+    if vocab % BLOCK:
+        at[:, -1] = h[:, -1] % (vocab % BLOCK)
+    return e_min, at.long()
+
+
+def _block_max(x: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R, nb] float32
+    """The largest value of each block of BLOCK tokens (max_pool1d: as fast as one row max on a CPU,
+    where a reduction over 16 inner elements is not)."""
+    rows, vocab = x.shape
+    full = vocab // BLOCK
+    parts = [torch.nn.functional.max_pool1d(x[:, None, : full * BLOCK].float(), BLOCK, BLOCK)[:, 0]] if full else []
+    if vocab % BLOCK:
+        parts.append(x[:, full * BLOCK :].float().amax(dim=-1, keepdim=True))
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+
+def _block_ids(blocks: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:  # [R, m] -> [R, m*BLOCK] x 2
+    """Every token id of the given blocks (clamped into the vocabulary) and which of them are real."""
+    ids = (blocks[:, :, None] * BLOCK + torch.arange(BLOCK, device=blocks.device)).reshape(blocks.shape[0], -1)
+    return ids.clamp(max=vocab - 1), ids < vocab
+
+
+def _top_candidates(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:  # [R, V] -> [R, width] x 2
+    """x.topk(width) (values descending, ids) without a top-k pass over the whole vocabulary: the
+    `width` largest values lie in the `width` blocks with the largest maxima."""
+    vocab = x.shape[-1]
+    if width * BLOCK * 4 > vocab:
+        return x.topk(width, dim=-1)
+    ids, real = _block_ids(_block_max(x).topk(width, dim=-1).indices, vocab)
+    vals, at = x.gather(1, ids).masked_fill_(~real, float("-inf")).topk(width, dim=-1)
+    return vals, ids.gather(1, at)
 
 
 def noise_e(keys: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:  # keys [N], ids [N, M] -> [N, M]
@@ -96,7 +129,7 @@ def noise_e(keys: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor: 
     keys = keys.to(torch.int32)[:, None]
     ids = ids.long()
     blocks = ids >> BLOCK_BITS
-    e_min, at = _block_minimum(keys, torch.arange((vocab + BLOCK - 1) // BLOCK, device=ids.device)[None, :], vocab)
+    e_min, at = _block_minimum(keys, vocab)
     e_b, at_b = e_min.gather(1, blocks), at.gather(1, blocks)
     return torch.where((ids & (BLOCK - 1)) == at_b, e_b, e_b + _expo(keys, ids))
 
@@ -116,31 +149,24 @@ def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:  # 
     highest such bound token by token; once the best score beats the next block's bound, no other
     token can win. Rows still open after the last round take every token's noise. Exact."""
     rows, vocab = logits.shape
-    dev = logits.device
-    nb, full = (vocab + BLOCK - 1) // BLOCK, vocab // BLOCK
-    block_max = torch.empty((rows, nb), dtype=torch.float32, device=dev)
-    block_max[:, :full] = logits[:, : full * BLOCK].reshape(rows, full, BLOCK).amax(dim=-1)
-    if nb > full:
-        block_max[:, full] = logits[:, full * BLOCK :].amax(dim=-1)
-    e_min, _ = _block_minimum(keys.to(torch.int32)[:, None], torch.arange(nb, device=dev)[None, :], vocab)
-    bound = block_max.sub_(e_min.log_())  # [R, nb]
-    choice = torch.empty(rows, dtype=torch.long, device=dev)
-    todo = torch.arange(rows, device=dev)
+    nb = (vocab + BLOCK - 1) // BLOCK
+    e_min, _ = _block_minimum(keys.to(torch.int32)[:, None], vocab)
+    bound = _block_max(logits).sub_(e_min.log_())  # [R, nb]
+    choice = torch.empty(rows, dtype=torch.long, device=logits.device)
+    todo = torch.arange(rows, device=logits.device)
     for m in SCAN:
         m = min(m, nb)
-        top_bound, top_blocks = bound[todo].topk(min(m + 1, nb), dim=-1)
-        ids = (top_blocks[:, :m, None] * BLOCK + torch.arange(BLOCK, device=dev)).reshape(len(todo), m * BLOCK)
-        real = ids < vocab
-        ids = ids.clamp_(max=vocab - 1)
-        scores = logits[todo].gather(1, ids).float().sub_(noise_e(keys[todo], ids, vocab).log_()).masked_fill_(~real, float("-inf"))
-        best, at = scores.max(dim=-1)
+        top_bound, top_blocks = _pick(bound, todo).topk(min(m + 1, nb), dim=-1)
+        ids, real = _block_ids(top_blocks[:, :m], vocab)
+        scores = _pick(logits, todo).gather(1, ids).float().sub_(noise_e(keys[todo], ids, vocab).log_())
+        best, at = scores.masked_fill_(~real, float("-inf")).max(dim=-1)
         choice[todo] = ids.gather(1, at[:, None]).squeeze(1)
         if m == nb:
             return choice
         todo = todo[top_bound[:, m] >= best]  # the next block might hold a better token
         if not len(todo):
             return choice
-    choice[todo] = (logits[todo].float() + gumbel(keys[todo], None, vocab)).max(dim=-1).indices
+    choice[todo] = (_pick(logits, todo).float() + gumbel(keys[todo], None, vocab)).max(dim=-1).indices
     return choice
 
 
@@ -190,7 +216,7 @@ def _truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torc
     threshold = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
     todo = torch.arange(x.shape[0], device=x.device)
     while len(todo):
-        vals = x[todo].topk(width, dim=-1).values  # [T, width], descending
+        vals = _top_candidates(_pick(x, todo), width)[0]  # [T, width], descending
         ranks = torch.arange(width, device=x.device)[None, :]
         in_k = ranks < k_eff[todo, None]
         # top-k renormalizes over its k tokens: known once they are all among the candidates; with
@@ -230,7 +256,7 @@ def draft_choice(
     seeded = (keys >= 0) & ~greedy
     if bool(seeded.any()):  # the coupled choice over the draft's whole warped row, as the target makes it
         rows = seeded.nonzero().squeeze(1)
-        tokens[rows] = gumbel_argmax(warp_(logits.index_select(0, rows).float(), w.rows(rows)), keys[rows])
+        tokens[rows] = gumbel_argmax(warp_(_own_float(logits, rows), w.rows(rows)), keys[rows])
     plain = (~greedy & ~seeded).nonzero().squeeze(1)
     values = torch.zeros((logits.shape[0], n), dtype=torch.float32, device=logits.device)
     support = torch.zeros((logits.shape[0], n), dtype=torch.int32, device=logits.device)
@@ -239,7 +265,7 @@ def draft_choice(
     # q: the warped draft distribution over its top-n tokens, renormalized (top-k / top-p applied
     # within them: any q is exact, this one stays close to the draft's own). A positive temperature
     # keeps the order, so the top-n of the raw logits are the top-n of the scaled ones.
-    vals, ids = logits.index_select(0, plain).topk(n, dim=-1)  # [R, n] descending
+    vals, ids = _top_candidates(_pick(logits, plain), n)  # [R, n] descending
     vals = vals.float() / w.temperature[plain, None]
     q = _truncate(vals, w.top_k[plain], w.top_p[plain]).softmax(dim=-1)  # [R, n]
     tokens[plain] = ids.gather(1, sample(q, u[plain])[:, None]).squeeze(1)
@@ -249,7 +275,8 @@ def draft_choice(
 
 # ---- the target's side --------------------------------------------------------------------------
 def verify_walk(
-    logits: torch.Tensor,  # [B, k+1, V] the target's logits after each fed draft position
+    logits,  # [B, k+1, V] the target's logits after each fed draft position, or a function
+    #          (rows [A], j) -> [A, V] that makes them on demand (`worker.LazyLogits`)
     drafts: torch.Tensor,  # [B, k] long, on logits' device
     greedy: torch.Tensor,  # [B] bool
     keys: torch.Tensor,  # [B, k+1] int32 noise keys per position: seeded rows' from (seed, position),
@@ -266,11 +293,17 @@ def verify_walk(
     A row leaves the walk with its recovered token at its first rejection, or its bonus token after
     position k. Cost: a few vocabulary passes per row and position actually reached."""
     bsz, k = drafts.shape
-    dev = logits.device
+    dev = drafts.device
     num_acc = torch.zeros(bsz, dtype=torch.long, device=dev)
     next_tok = torch.zeros(bsz, dtype=torch.long, device=dev)
     active = torch.arange(bsz, device=dev)
-    flat = logits.reshape(bsz * (k + 1), logits.shape[-1])  # [B*(k+1), V]: rows are contiguous, copies are cheap
+    if isinstance(logits, torch.Tensor):
+        flat = logits.reshape(bsz * (k + 1), logits.shape[-1])  # [B*(k+1), V]: rows are contiguous, copies are cheap
+
+        def logits_at(rows, j):
+            return flat.index_select(0, rows * (k + 1) + j)
+    else:
+        logits_at = logits
     for j in range(k + 1):
         if not len(active):
             break
@@ -278,19 +311,21 @@ def verify_walk(
         token = torch.empty(len(active), dtype=torch.long, device=dev)
         accepted = torch.zeros(len(active), dtype=torch.bool, device=dev)
         if bool(g.all()):
-            token = flat.index_select(0, active * (k + 1) + j).max(dim=-1).indices
+            token = logits_at(active, j).max(dim=-1).indices
         else:
-            x = flat.index_select(0, active * (k + 1) + j).float()  # [A, V]: our own copy, warped in place
-            token[g] = x[g].max(dim=-1).indices
+            x = logits_at(active, j).float()  # [A, V]: our own copy (float() of a fresh float32 tensor is itself), warped in place
+            if bool(g.any()):
+                token[g] = x[g].max(dim=-1).indices
             rows = (~g).nonzero().squeeze(1)
-            x = warp_(x[rows], w.rows(active[rows]))  # [R, V]
+            x = warp_(_pick(x, rows), w.rows(active[rows]))  # [R, V]
             rows_b = active[rows]
             c = seeded[rows_b]
             if bool(c.any()):  # the coupled choice: the emitted token depends only on p and the seed
-                token[rows[c]] = gumbel_argmax(x[c], keys[rows_b[c], j])
+                cr = c.nonzero().squeeze(1)
+                token[rows[cr]] = gumbel_argmax(_pick(x, cr), keys[rows_b[cr], j])
             s = (~c).nonzero().squeeze(1)
             if len(s) and j < k:  # rejection test against the draft's q, then the recovered token
-                xs, sb = x[s], rows_b[s]
+                xs, sb = _pick(x, s), rows_b[s]
                 lse = torch.logsumexp(xs, dim=-1)
                 d = drafts[sb, j]
                 ids, vals = q_ids[sb, j].long(), q_values[sb, j]
@@ -299,16 +334,27 @@ def verify_walk(
                 accepted[rows[s]] = ok
                 rej = (~ok).nonzero().squeeze(1)
                 if len(rej):
-                    r = residual_logits_(xs[rej], lse[rej], vals[rej], ids[rej])
+                    r = residual_logits_(_pick(xs, rej), lse[rej], vals[rej], ids[rej])
                     token[rows[s[rej]]] = gumbel_argmax(r, keys[sb[rej], j])
             elif len(s):  # the bonus token, from p
-                token[rows[s]] = gumbel_argmax(x[s], keys[rows_b[s], j])
+                token[rows[s]] = gumbel_argmax(_pick(x, s), keys[rows_b[s], j])
         if j < k:  # greedy and seeded rows accept while their choice is the draft
             accepted |= (g | seeded[active]) & (token == drafts[active, j])
         next_tok[active[~accepted]] = token[~accepted]
         num_acc[active[accepted]] += 1
         active = active[accepted]
     return num_acc, next_tok
+
+
+def _pick(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:  # [N, V] -> [R, V]
+    """Rows of x; x itself when that is every row (a copy of a vocabulary-sized block is a pass)."""
+    return x if len(rows) == x.shape[0] else x.index_select(0, rows)
+
+
+def _own_float(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:  # [N, V] -> [R, V] float32, a new tensor
+    """Rows of x as float32 that the caller may change in place (one copy, never two)."""
+    out = _pick(x, rows)
+    return out.float() if out.dtype != torch.float32 else out.clone() if out is x else out
 
 
 def logprob_top(

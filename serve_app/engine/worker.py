@@ -112,6 +112,7 @@ class ModelWorker:
         self._captured: dict[int, torch.Tensor] = {}  # layer id -> [B, T, H] of the current forward
         self.top_n = TOP_N
         self.timings = new_timings()
+        self.head = plain_head(model)
 
     def take_timings(self) -> dict:
         """Device work since the last call (forwards; vocabulary-sized math beside them) and the bytes
@@ -205,9 +206,13 @@ class ModelWorker:
         drafts = proposal.tokens.tolist()
         k = proposal.tokens.shape[1]
         lens = [len(s.tokens) for s in seqs]
-        logits = self._forward(seq_ids, [s.tokens[s.kv_len :] + d for s, d in zip(seqs, drafts)], keep=k + 1)
+        fed = [s.tokens[s.kv_len :] + d for s, d in zip(seqs, drafts)]
+        if self.head is not None:  # logits on demand: most rows stop at their first rejection
+            logits = LazyLogits(self.head, self._forward(seq_ids, fed, keep=k + 1, hidden=True), self._sync)
+        else:
+            logits = self._forward(seq_ids, fed, keep=k + 1)
         t0 = time.perf_counter()
-        dev = logits.device
+        dev = self.device
         bsz = len(seqs)
         greedy = torch.tensor([s.params.greedy for s in seqs], device=dev)
         seeded = torch.tensor([_coupled(s) for s in seqs], device=dev)
@@ -240,7 +245,9 @@ class ModelWorker:
         features = self._features(pending, num_acc, k) if self.feature_layers else None
         logprobs = _logprobs(seqs, logits, drafts, num_acc, next_tok)
         self._sync()
-        self.timings["sample_s"] += time.perf_counter() - t0
+        head_s = logits.seconds if isinstance(logits, LazyLogits) else 0.0
+        self.timings["forward_s"] += head_s  # the output projection is the model's work
+        self.timings["sample_s"] += time.perf_counter() - t0 - head_s
         return Verdict(num_acc, next_tok, features, logprobs)
 
     # ---- target features (for drafts that read them, EAGLE-style) -----------------------------
@@ -297,8 +304,8 @@ class ModelWorker:
         return contiguous_rows(self, seq_ids)
 
     def _forward(
-        self, seq_ids: list[str], fed: list[list[int]], keep: int, starts: list[int] | None = None
-    ) -> torch.Tensor:  # logits [B, keep, V] for the last `keep` fed tokens of each row
+        self, seq_ids: list[str], fed: list[list[int]], keep: int, starts: list[int] | None = None, hidden: bool = False
+    ) -> torch.Tensor:  # logits [B, keep, V] (hidden: last hidden states [B, keep, H]) for the last `keep` fed tokens
         seqs = [self.seqs[s] for s in seq_ids]
         if starts is None:
             starts = [s.kv_len for s in seqs]
@@ -307,17 +314,14 @@ class ModelWorker:
         ids, pos = ids.to(self.device), pos.to(self.device)
         self.cache.prepare(self.order.index(seq_ids[0]), pos)
         mask = causal_mask(pos, self.cache._kv_max, self.mask_dtype)
-        out = self.model(
-            input_ids=ids,
-            position_ids=pos,
-            attention_mask=mask,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=keep,
-        )
+        args = dict(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=self.cache, use_cache=True)
+        if hidden:
+            out = self.model.model(**args).last_hidden_state[:, -keep:]
+        else:
+            out = self.model(**args, logits_to_keep=keep).logits
         self._sync()
         self.timings["forward_s"] += time.perf_counter() - t0
-        return out.logits
+        return out
 
     def _sync(self) -> None:
         """Wait for the device, so timings measure work done, not work queued."""
@@ -351,6 +355,53 @@ class ModelWorker:
         return draw
 
 
+PLAIN_HEAD_MODELS = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "olmo2"}
+"""Architectures whose logits are exactly lm_head(last hidden state) (no soft-capping or scaling after
+it): verification computes their logits itself, position by position as needed."""
+
+
+def plain_head(model) -> torch.nn.Module | None:
+    """The output projection of a model whose logits are a plain linear map of its decoder's last hidden
+    state, else None (the model's own forward then makes every kept position's logits)."""
+    head, decoder = getattr(model, "lm_head", None), getattr(model, "model", None)
+    if getattr(model.config, "model_type", None) in PLAIN_HEAD_MODELS and isinstance(head, torch.nn.Linear) \
+            and decoder is not None:
+        return head
+    return None
+
+
+class LazyLogits:
+    """The target's logits after each fed draft position, made when the acceptance walk asks: position 0
+    for every row, then positions 1..k in one matmul for the rows that accepted their first draft (at
+    most two passes over the output projection's weights, which at a 128k vocabulary are the largest
+    matrix of the model). Most rows of a large batch stop at their first rejection."""
+
+    def __init__(self, head: torch.nn.Module, hidden: torch.Tensor, sync):  # hidden [B, k+1, H]
+        self.head, self.hidden, self.sync = head, hidden, sync
+        self.rest: torch.Tensor | None = None  # [A1, k, V] for rows rest_rows
+        self.rest_rows: torch.Tensor | None = None
+        self.seconds = 0.0
+
+    def __call__(self, rows: torch.Tensor, j: int) -> torch.Tensor:  # rows [A] ascending -> [A, V]
+        t0 = time.perf_counter()
+        if j == 0:
+            out = self.head(self.hidden[:, 0].index_select(0, rows))
+        else:
+            if self.rest is None:  # the walk only drops rows, so later positions ask for a subset of these
+                self.rest_rows, self.rest = rows, self.head(self.hidden.index_select(0, rows)[:, 1:])
+            out = self.rest[:, j - 1].index_select(0, torch.searchsorted(self.rest_rows, rows))
+        self.sync()
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def rows(self, rows: torch.Tensor, width: int) -> torch.Tensor:  # [R] -> [R, width, V] (logprobs)
+        t0 = time.perf_counter()
+        out = self.head(self.hidden.index_select(0, rows)[:, :width])
+        self.sync()
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
 def _backlog_agreement(seqs: list[Sequence], fed: list[list[int]], logits: torch.Tensor) -> tuple[int, int]:
     """(checked, matched) of the draft's greedy next-token predictions over its pending tokens.
 
@@ -379,9 +430,12 @@ def _logprobs(seqs: list[Sequence], logits: torch.Tensor, drafts: list[list[int]
         return None
     emitted = {b: drafts[b][: num_acc[b]] + [next_tok[b]] for b in rows}
     width = max(len(e) for e in emitted.values())
-    tokens = torch.tensor([emitted[b] + [0] * (width - len(emitted[b])) for b in rows], device=logits.device)
+    device = logits.hidden.device if isinstance(logits, LazyLogits) else logits.device
+    tokens = torch.tensor([emitted[b] + [0] * (width - len(emitted[b])) for b in rows], device=device)
     top = max(seqs[b].params.logprobs for b in rows)
-    chosen, vals, ids = logprob_top(logits[torch.tensor(rows, device=logits.device), :width], tokens, top)
+    index = torch.tensor(rows, device=tokens.device)
+    raw = logits.rows(index, width) if isinstance(logits, LazyLogits) else logits[index, :width]
+    chosen, vals, ids = logprob_top(raw, tokens, top)
     chosen, vals, ids = chosen.tolist(), vals.tolist(), ids.tolist()
     out: list = [None] * len(seqs)
     for i, b in enumerate(rows):
