@@ -77,18 +77,16 @@ def _expo(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # keys [N, 1]
     return u.mul_(1.0 / 16777216).log_().neg_()
 
 
-def _block_minimum(keys: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:  # keys [N, 1] -> [N, nb] x 2
-    """Per row and block: the smallest Exp(1) of the block's tokens, E_min ~ Exp(size), and which of
-    them (0 .. size-1) holds it, uniform (a mask for full blocks; the short last block takes a modulo)."""
-    nb = (vocab + BLOCK - 1) // BLOCK
-    blocks = torch.arange(nb, device=keys.device)[None, :].expand(keys.shape[0], -1)
-    size = (vocab - torch.arange(nb, device=keys.device) * BLOCK).clamp(max=BLOCK)  # [nb]
+def _block_minimum(keys: torch.Tensor, blocks: torch.Tensor, vocab: int, where: bool = True):
+    """For rows keyed [N, 1] and block ids [N, M]: the smallest Exp(1) of each block's tokens, E_min ~
+    Exp(size), and (where=True) which of them (0 .. size-1) holds it, uniform (a mask for full blocks;
+    the short last block takes a modulo)."""
+    size = (vocab - blocks * BLOCK).clamp(max=BLOCK)  # the last block may be short
     e_min = _expo(keys + _SALT_MIN, blocks) / size
+    if not where:
+        return e_min, None
     h = _hash32(blocks.to(torch.int32), keys + _SALT_AT).bitwise_and_(0x7FFFFFFF)
-    at = h & (BLOCK - 1)
-    if vocab % BLOCK:
-        at[:, -1] = h[:, -1] % (vocab % BLOCK)
-    return e_min, at.long()
+    return e_min, torch.where(size == BLOCK, h & (BLOCK - 1), h % size)
 
 
 def _block_max(x: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R, nb] float32
@@ -128,9 +126,7 @@ def noise_e(keys: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor: 
     largest logit - log E_min."""
     keys = keys.to(torch.int32)[:, None]
     ids = ids.long()
-    blocks = ids >> BLOCK_BITS
-    e_min, at = _block_minimum(keys, vocab)
-    e_b, at_b = e_min.gather(1, blocks), at.gather(1, blocks)
+    e_b, at_b = _block_minimum(keys, ids >> BLOCK_BITS, vocab)
     return torch.where((ids & (BLOCK - 1)) == at_b, e_b, e_b + _expo(keys, ids))
 
 
@@ -150,7 +146,8 @@ def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:  # 
     token can win. Rows still open after the last round take every token's noise. Exact."""
     rows, vocab = logits.shape
     nb = (vocab + BLOCK - 1) // BLOCK
-    e_min, _ = _block_minimum(keys.to(torch.int32)[:, None], vocab)
+    every = torch.arange(nb, device=logits.device)[None, :].expand(rows, -1)
+    e_min, _ = _block_minimum(keys.to(torch.int32)[:, None], every, vocab, where=False)
     bound = _block_max(logits).sub_(e_min.log_())  # [R, nb]
     choice = torch.empty(rows, dtype=torch.long, device=logits.device)
     todo = torch.arange(rows, device=logits.device)
