@@ -1,4 +1,4 @@
-"""`specserve` command line: generate, serve, drain, profile, profiles push, distill, bench (engine, acceptance, http, policies), chaos, simulate.
+"""`specserve` command line: generate, serve, drain, profile, profiles push, distill, bench (engine, acceptance, http, policies, step), selfcheck, chaos, simulate.
 
 Exit codes: 0 all requests succeeded; 1 some requests failed (each reported with its line number,
 the others finished); 2 bad arguments or an unusable file/model (nothing was generated).
@@ -86,6 +86,30 @@ def _parser() -> argparse.ArgumentParser:
                     help="writes OUT.json and OUT.md (default results/bench-http-<hardware type>)")
     bh.set_defaults(func=_cmd_bench_http)
 
+    bs = bsub.add_parser("step", help="one engine step at real model shapes (random weights, few layers): device "
+                                      "forwards, other device work and the rest, in process and through Ray actors")
+    bs.add_argument("--shape", default="tiny-128k", help="target shape: llama-3.1-8b, llama-3.2-1b or tiny-128k")
+    bs.add_argument("--layers", type=int, default=2, help="decoder layers of the target")
+    bs.add_argument("--draft", default="independent", help="independent (a second random model) or eagle3 (a random "
+                                                          "EAGLE-3 head reading the target's features)")
+    bs.add_argument("--draft-shape", default=None, help="shape of an independent draft (default: the target shape's)")
+    bs.add_argument("--draft-layers", type=int, default=1, help="decoder layers of an independent draft")
+    bs.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes")
+    bs.add_argument("--k", type=int, default=4, help="speculation length (fixed:K)")
+    bs.add_argument("--mixes", default="greedy,top_p1,top_p09,seeded,logprobs",
+                    help="request mixes: greedy, top_p1, top_p09 (temperature 1), seeded (temperature 1 + seed), logprobs (greedy + 5)")
+    bs.add_argument("--steps", type=int, default=5, help="timed steps per cell; medians over them")
+    bs.add_argument("--warmup", type=int, default=2, help="untimed steps per cell first (the first prefills)")
+    bs.add_argument("--prompt-tokens", type=int, default=128, help="tokens per (random) prompt")
+    bs.add_argument("--peaked", type=float, default=8.0, help="logit standard deviation of the random heads (0: as initialised)")
+    bs.add_argument("--runs", default="inprocess,ray", help="inprocess and ray (interleaved cell by cell), and serve "
+                                                          "(the models behind `specserve serve`, streamed by a client)")
+    bs.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    bs.add_argument("--device", default="cpu")
+    bs.add_argument("--out", default=None,
+                    help="writes OUT.json, OUT.md and OUT.png (default results/bench-step-<hardware type>)")
+    bs.set_defaults(func=_cmd_bench_step)
+
     bp = bsub.add_parser("policies", help="the paper's experiments: none, fixed:1..K, lut, adaptive in one run")
     _model_args(bp)
     bp.add_argument("--profile", default=None, help="profile JSON (default profiles/<hardware type>.json)")
@@ -98,6 +122,18 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--repeat", type=int, default=1, help="rounds of every experiment (policies interleaved); medians")
     bp.add_argument("--seed", type=int, default=0)
     bp.set_defaults(func=_cmd_bench_policies)
+
+    sc = sub.add_parser("selfcheck", help="check a (GPU) node before deploying: exact greedy and seeded output at "
+                                          "every k, sampling, EAGLE-3, a tiny profile, the step benchmark; exit 1 "
+                                          "if any check fails (needs no Ray, no network, no model download)")
+    sc.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
+    sc.add_argument("--dtype", default="auto",
+                    help="auto, float32, bfloat16 or float16 for the sampled, profile and step checks (the exact "
+                         "checks run in float32)")
+    sc.add_argument("--quick", action="store_true", help="small models and few steps (CI, a CPU)")
+    sc.add_argument("--checks", default=None, help="comma-separated subset: greedy, sampled, seeded, eagle3, profile, step")
+    sc.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/selfcheck-<hardware type>)")
+    sc.set_defaults(func=_cmd_selfcheck)
 
     d = sub.add_parser("distill", help="train a small reduced-vocabulary draft on text the target generates")
     d.add_argument("--target", default=EMBEDDED)
@@ -407,6 +443,38 @@ def _cmd_bench_acceptance(args) -> int:
     _write_bench(args, "acceptance", *bench_acceptance(_bench_model(args), args.k, args.max_tokens, args.batch_size,
                                                         args.temperature))
     return 0
+
+
+def _cmd_bench_step(args) -> int:
+    from serve_app.bench.rounds import default_stem, write_results
+    from serve_app.bench.step import StepBench, bench_step, plot_step
+
+    try:
+        cfg = StepBench(shape=args.shape, layers=args.layers, draft=args.draft, draft_shape=args.draft_shape,
+                        draft_layers=args.draft_layers, batch_sizes=int_list(args.batch_sizes, "--batch-sizes"),
+                        k=args.k, mixes=[m.strip() for m in args.mixes.split(",") if m.strip()], steps=args.steps,
+                        warmup=args.warmup, prompt_tokens=args.prompt_tokens, peaked=args.peaked, dtype=args.dtype,
+                        device=args.device)
+    except ValidationError as e:
+        raise UsageError(_first_error(e)) from None
+    results, markdown = bench_step(cfg, [r.strip() for r in args.runs.split(",") if r.strip()])
+    print("\n" + markdown)
+    stem = args.out or default_stem("bench-step")
+    json_path, md_path = write_results(stem, results, markdown)
+    png = plot_step(results, f"{stem}.png")
+    print(f"results: {json_path}, {md_path}" + (f", {png}" if png else ""))
+    return 0
+
+
+def _cmd_selfcheck(args) -> int:
+    from serve_app.selfcheck import SelfCheck, main_selfcheck
+
+    try:
+        cfg = SelfCheck(device=args.device, dtype=args.dtype, quick=args.quick)
+    except ValidationError as e:
+        raise UsageError(_first_error(e)) from None
+    names = [c.strip() for c in args.checks.split(",") if c.strip()] if args.checks else None
+    return main_selfcheck(cfg, args.out, names)
 
 
 def _app_config(args) -> dict:

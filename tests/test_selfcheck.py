@@ -1,0 +1,58 @@
+"""`specserve selfcheck`: runs with torch + transformers alone, writes its results, exits 1 on any failure."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from serve_app import selfcheck
+from serve_app.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+# What a bare GPU box lacks: importing any of them fails in the child, so a stray import is caught.
+BLOCKED = "ray", "matplotlib", "gguf", "openai", "fastapi"
+
+
+def test_quick_cpu_selfcheck_passes_without_ray_or_matplotlib(tmp_path):
+    stem = tmp_path / "selfcheck-cpu"
+    code = (f"import sys; sys.modules.update(dict.fromkeys({BLOCKED!r})); from serve_app.cli import main; "
+            f"sys.exit(main(['selfcheck', '--device', 'cpu', '--quick', '--out', {str(stem)!r}]))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "SPECSERVE_AUTO_DTYPE": "bfloat16"})  # the low-precision path, as on a GPU
+    assert run.returncode == 0, run.stdout + run.stderr
+    res = json.loads(stem.with_suffix(".json").read_text())
+    assert [c["check"] for c in res["checks"]] == list(selfcheck.CHECKS) and res["passed"]
+    assert res["dtype"] == "bfloat16" and res["torch"] == torch.__version__ and "provenance" in res
+    for name in selfcheck.CHECKS:
+        assert f"PASS {name}" in run.stdout
+    md = stem.with_suffix(".md").read_text()
+    assert "| greedy | PASS |" in md and "All checks passed." in md
+
+
+def test_a_failing_check_makes_it_exit_1_and_the_others_still_run(tmp_path, monkeypatch, capsys):
+    def broken(ctx):
+        raise RuntimeError("device lost\nsecond line")
+
+    monkeypatch.setitem(selfcheck.CHECKS, "sampled", lambda ctx: (False, "broken on purpose", {}))
+    monkeypatch.setitem(selfcheck.CHECKS, "profile", broken)
+    stem = tmp_path / "sc"
+    assert main(["selfcheck", "--device", "cpu", "--quick", "--checks", "sampled,profile,greedy", "--out", str(stem)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL sampled" in out and "broken on purpose" in out
+    assert "FAIL profile" in out and "RuntimeError: device lost" in out and "second line" not in out
+    assert "PASS greedy" in out  # after two failures
+    res = json.loads(stem.with_suffix(".json").read_text())
+    assert not res["passed"] and "Traceback" in res["checks"][1]["traceback"]
+    assert "**FAIL**" in stem.with_suffix(".md").read_text()
+
+
+def test_bad_settings_exit_2(tmp_path, capsys):
+    assert main(["selfcheck", "--device", "cpu", "--checks", "nope", "--out", str(tmp_path / "x")]) == 2
+    assert main(["selfcheck", "--device", "tpu"]) == 2
+    if not torch.cuda.is_available():
+        assert main(["selfcheck", "--device", "cuda"]) == 2
+        assert "--device cpu" in capsys.readouterr().err
