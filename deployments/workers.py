@@ -33,6 +33,10 @@ class _ModelHost:
         from serve_app.hardware import available_cpus
         from serve_app.models import load_draft_for_host
 
+        # Denormals as zeros for the whole process, before torch starts its thread pool (threads inherit
+        # the setting): see serve_app.engine.worker.denormals_flushed, which the worker then leaves alone.
+        torch.set_flush_denormal(True)
+
         # Ray sets OMP_NUM_THREADS to the actor's num_cpus (1), which would leave torch one core; the
         # machine's count (os.cpu_count()) would be the node's cores in a pod limited to a few.
         torch.set_num_threads(torch_threads or available_cpus())
@@ -44,6 +48,7 @@ class _ModelHost:
             draft, tokenizer = load_draft_for_host(mc)
             self.worker = draft_worker(draft, tokenizer.pad_token_id or 0)
 
+        self.worker.flush_denormals = False  # on for the whole process already (above)
         self.direct_bytes = 0
 
     def call(self, method: str, *args):

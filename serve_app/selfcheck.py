@@ -36,7 +36,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from serve_app.bench.shapes import SHAPES, eagle3_layers, random_llama, random_prompts, vocab_tokenizer
-from serve_app.config import EngineConfig, SamplingParams
+from serve_app.config import EngineConfig, SamplingParams, check_dtype
 
 
 class SelfCheck(BaseModel):
@@ -55,9 +55,7 @@ class SelfCheck(BaseModel):
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, v: str) -> str:
-        if v not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"unknown dtype {v!r}: use auto, float32, bfloat16 or float16")
-        return v
+        return check_dtype(v)
 
     @field_validator("device")
     @classmethod

@@ -263,3 +263,22 @@ def test_streaming_and_abort(tiny_target, tiny_drafts, ref20):
     assert not engine.has_work() and engine.reserved == 0 and engine.target.order == []
 
 
+
+
+def test_logits_on_demand_match_the_models_own_forward(tiny_target, tiny_drafts):
+    """Llama-family targets make their logits position by position as verification asks (LazyLogits);
+    other architectures keep the model's forward. Both give the same tokens and logprobs, for greedy,
+    seeded and logprob-asking rows in one batch, with drafts accepted and rejected."""
+    params = [SamplingParams(max_tokens=14), SamplingParams(max_tokens=14, temperature=0.8, seed=3),
+              SamplingParams(max_tokens=14, logprobs=2), SamplingParams(max_tokens=14, temperature=1.0, top_k=5, seed=9)]
+    outs = []
+    for lazy in (True, False):
+        engine = make_engine(tiny_target, tiny_drafts["near"], "fixed:3", max_batch_size=4)
+        assert engine.target.head is not None  # a Llama: the lazy path is the default
+        if not lazy:
+            engine.target.head = None
+        reqs = [engine.submit(p, sp) for p, sp in zip(PROMPTS, params)]
+        engine.run(reqs)
+        assert sum(r.stats.accepted for r in reqs) > 0
+        outs.append([r.output_ids for r in reqs])
+    assert outs[0] == outs[1]

@@ -639,7 +639,9 @@ def test_completion_prompt_shapes_and_n_choices(service):
     # n choices: seeded, each its own sequence (seed + i), usage summed; streamed choices carry their index
     r = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, seed=3, n=3)
     texts = [ch.text for ch in sorted(r.choices, key=lambda ch: ch.index)]
-    assert len(set(texts)) > 1 and r.usage.completion_tokens == 24
+    alone = [c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, seed=3 + i) for i in range(3)]
+    assert texts == [a.choices[0].text for a in alone] and len(set(texts)) > 1
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)  # summed (EOS may end one early)
     again = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, seed=4)
     assert again.choices[0].text == texts[1]  # choice 1 is the seed + 1 request
     streamed = {}

@@ -163,6 +163,22 @@ def test_warp_matches_the_sort_based_definition(scale):
     assert torch.allclose(got, reference_warp(logits, temperature, top_k, top_p), atol=1e-6)
 
 
+@pytest.mark.parametrize("vocab", [100, 5000, 128256])
+def test_top_candidates_are_the_top_k(vocab):
+    """Candidates from the blocks with the largest maxima are exactly the top-k (a short last block,
+    ties, and -inf rows included)."""
+    from serve_app.engine.sampling import _top_candidates
+
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=g) * 3
+    x[1] = x[1].round()  # many ties
+    x[2, 10:] = float("-inf")  # a top-p cut row with 10 tokens left
+    for width in (1, 7, 64):
+        vals, ids = _top_candidates(x, width)
+        assert torch.equal(vals, x.topk(width, dim=-1).values)
+        assert torch.equal(x.gather(1, ids), vals)
+
+
 def test_sample_inverse_cdf_edges():
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5]] * 3)
     assert sample(probs, torch.tensor([0.0, 0.49, 0.999])).tolist() == [1, 1, 3]

@@ -42,7 +42,7 @@ from tqdm import tqdm
 from serve_app.bench.rounds import fmt_ratio, rotated, summary
 from serve_app.bench.shapes import (get_shape, random_eagle3, random_llama, random_prompts, save_eagle3_dir,
                                     save_model_dir, vocab_tokenizer)
-from serve_app.config import EngineConfig, ModelConfig, SamplingParams
+from serve_app.config import EngineConfig, ModelConfig, SamplingParams, check_dtype
 from serve_app.engine.policy import FixedK
 from serve_app.engine.scheduler import Engine
 
@@ -103,9 +103,7 @@ class StepBench(BaseModel):
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, v: str) -> str:
-        if v not in ("auto", "float32", "bfloat16", "float16", "float64"):
-            raise ValueError(f"unknown dtype {v!r}: use auto, float32, bfloat16, float16 or float64")
-        return v
+        return check_dtype(v)
 
     @field_validator("mixes")
     @classmethod

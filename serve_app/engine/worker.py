@@ -16,6 +16,7 @@ hold tokens[:kv_len]; tokens[kv_len:] are pending and get fed at the start of th
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from dataclasses import dataclass, field
@@ -113,11 +114,7 @@ class ModelWorker:
         self.top_n = TOP_N
         self.timings = new_timings()
         self.head = plain_head(model)
-        if self.device.type == "cpu":
-            # exp() of logits far below the row's max underflows into denormal floats, which CPUs handle
-            # ~25x slower (a sharp 128k-vocabulary row: 37 ms instead of 1.5 ms per logsumexp over 32
-            # rows); as zeros they change no sample (probabilities under 1e-38). Process-wide.
-            torch.set_flush_denormal(True)
+        self.flush_denormals = self.device.type == "cpu"
 
     def take_timings(self) -> dict:
         """Device work since the last call (forwards; vocabulary-sized math beside them) and the bytes
@@ -240,8 +237,9 @@ class ModelWorker:
         q_values = q_ids = None
         if proposal.probs is not None:
             q_values, q_ids = proposal.probs.to(dev), proposal.support.to(dev)
-        num_acc, next_tok = verify_walk(logits, proposal.tokens.to(dev), greedy, keys, seeded,
-                                        Warp.of([s.params for s in seqs], dev), q_values, q_ids, u)
+        with denormals_flushed(self.flush_denormals):
+            num_acc, next_tok = verify_walk(logits, proposal.tokens.to(dev), greedy, keys, seeded,
+                                            Warp.of([s.params for s in seqs], dev), q_values, q_ids, u)
         num_acc, next_tok = num_acc.tolist(), next_tok.tolist()
         pending = [len(s.tokens) - s.kv_len for s in seqs]  # fed before the drafts; all now final
         for s, n_b, d, t, length in zip(seqs, num_acc, drafts, next_tok, lens):
@@ -336,7 +334,8 @@ class ModelWorker:
     def _timed(self, fn, *args):
         """Run vocabulary-sized work beside a forward and count it as such."""
         t0 = time.perf_counter()
-        out = fn(*args)
+        with denormals_flushed(self.flush_denormals):
+            out = fn(*args)
         self._sync()
         self.timings["sample_s"] += time.perf_counter() - t0
         return out
@@ -457,6 +456,23 @@ def _coupled(s: Sequence) -> bool:
 def _sampled(s: Sequence) -> bool:
     """Unseeded sampled requests: rejection sampling with uniforms from the sequence's generator."""
     return not s.params.greedy and s.params.seed is None
+
+
+@contextlib.contextmanager
+def denormals_flushed(on: bool = True):
+    """Denormal floats as zeros in this thread while the vocabulary-sized work runs, then back (the
+    setting is per thread and process-wide code, hypothesis for one, refuses to run under it). exp()
+    of logits far below a sharp row's max underflows into denormals, which CPUs handle ~25x slower (a
+    logsumexp over 32 rows of 128k: 37 ms instead of 1.5 ms); as zeros they change no sample
+    (probabilities under 1e-38). Worker actors set it for their whole process (deployments/workers.py)."""
+    if not on:
+        yield
+        return
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
 
 
 def new_timings() -> dict:
