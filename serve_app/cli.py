@@ -22,6 +22,16 @@ class UsageError(Exception):
     """A one-line error for the user; exits with status 2."""
 
 
+def entry() -> int:
+    """The `specserve` command: a process of its own, so denormal floats are zeros in all of it, set before
+    torch starts its threads (they inherit it): see serve_app.engine.worker.denormals_flushed. `main`
+    (what tests and other code call) leaves the process as it found it."""
+    import torch
+
+    torch.set_flush_denormal(True)
+    return main()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -784,4 +794,4 @@ def _cmd_bench_http(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())
