@@ -252,7 +252,8 @@ def timed_step(side: Side, batch: int) -> dict:
     forward = sum(x["forward_s"] for x in timings)
     other = sum(x["sample_s"] for x in timings)
     return {"step_s": step_s, "forward_s": forward, "sample_s": other, "outside_s": step_s - forward - other,
-            "bytes": crossed + sum(x["direct_bytes"] for x in timings), "tokens": st.generated / batch,
+            "bytes": crossed + sum(x["direct_bytes"] for x in timings), "router_bytes": crossed,
+            "direct_bytes": sum(x["direct_bytes"] for x in timings), "tokens": st.generated / batch,
             "draft_s": st.draft_s, "verify_s": st.verify_s, "engine_other_s": st.other_s}
 
 
@@ -285,6 +286,9 @@ def _row(side: Side, cfg: StepBench, batch: int, mix: str, samples: list[dict]) 
         "step_ms": ms("step_s"), "forward_ms": ms("forward_s"), "other_device_ms": ms("sample_s"),
         "outside_ms": ms("outside_s"),
         "kb_per_step": summary([s["bytes"] / 1024 for s in samples]) if side.remotes else None,
+        # of which: through the engine's process (the Router's, in the service), and actor to actor directly
+        "router_kb_per_step": summary([s["router_bytes"] / 1024 for s in samples]) if side.remotes else None,
+        "direct_kb_per_step": summary([s["direct_bytes"] / 1024 for s in samples]) if side.remotes else None,
         "tokens_per_step": statistics.median(s["tokens"] for s in samples),
         # the engine's own view (StepStats): wall time of its draft and target calls, and the rest
         "engine_draft_ms": ms("draft_s"), "engine_verify_ms": ms("verify_s"), "engine_other_ms": ms("engine_other_s"),
@@ -361,6 +365,15 @@ def bench_step(cfg: StepBench, runs: list[str] = RUNS) -> tuple[dict, str]:
     return results, step_markdown(results)
 
 
+def _kb(r: dict) -> str:
+    """KB crossed per step; with direct transfers (EAGLE-3 features), how much went through the engine's
+    process and how much from actor to actor."""
+    direct = (r.get("direct_kb_per_step") or {}).get("median", 0)
+    if not direct:
+        return _fmt(r["kb_per_step"])
+    return f"{_fmt(r['kb_per_step'])}: {r['router_kb_per_step']['median']:.1f} via engine + {direct:.1f} direct"
+
+
 def _layers(n: int) -> str:
     return f"{n} layer" + ("" if n == 1 else "s")
 
@@ -395,7 +408,7 @@ def step_markdown(res: dict) -> str:
             ratio += " | " + (fmt_ratio(r["step_ratio"]) if "step_ratio" in r else "")
             lines.append(f"| {r['batch']} | {r['mix']} | {_fmt(r['step_ms'])} | {_fmt(r['forward_ms'])} | "
                          f"{_fmt(r['other_device_ms'])} | {_fmt(r['outside_ms'])} | "
-                         + (f"{_fmt(r['kb_per_step'])} | " if ray else "")
+                         + (f"{_kb(r)} | " if ray else "")
                          + f"{r['tokens_per_step']:.2f} |" + (f" {ratio} |" if ray else ""))
         lines.append("")
     if res.get("serve_rows"):
