@@ -120,6 +120,14 @@ def _parser() -> argparse.ArgumentParser:
                     help="writes OUT.json, OUT.md and OUT.png (default results/bench-step-<hardware type>)")
     bs.set_defaults(func=_cmd_bench_step)
 
+    bw = bsub.add_parser("proposal-width", help="a sampled row's top-N draft proposal: exact acceptance against the "
+                                                 "full distribution; the coupled sampler's noise against iid Gumbel")
+    bw.add_argument("--prompts", type=int, default=16)
+    bw.add_argument("--max-tokens", type=int, default=48)
+    bw.add_argument("--dtype", default="auto")
+    bw.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/proposal-width-<hardware type>)")
+    bw.set_defaults(func=_cmd_bench_proposal_width)
+
     bp = bsub.add_parser("policies", help="the paper's experiments: none, fixed:1..K, lut, adaptive in one run")
     _model_args(bp)
     bp.add_argument("--profile", default=None, help="profile JSON (default profiles/<hardware type>.json)")
@@ -474,6 +482,12 @@ def _cmd_bench_step(args) -> int:
     png = plot_step(results, f"{stem}.png")
     print(f"results: {json_path}, {md_path}" + (f", {png}" if png else ""))
     return 0
+
+
+def _cmd_bench_proposal_width(args) -> int:
+    from serve_app.bench.proposal_width import run
+
+    return run(args.prompts, args.max_tokens, args.dtype, args.out)
 
 
 def _cmd_selfcheck(args) -> int:

@@ -1,5 +1,5 @@
 """What a sampled row's top-N proposal costs in acceptance, exactly, and what the coupled sampler's noise
-costs against ideal noise: `python -m serve_app.bench.proposal_width [--out STEM]`.
+costs against ideal noise: `specserve bench proposal-width [--out STEM]`.
 
 The engine (fixed:1, temperature 1) runs the evaluation prompts on the embedded pair; at every step the
 draft's logits and the target's logits at the drafted position are recorded, row by row. From those
@@ -11,8 +11,6 @@ from torch's generator (the same law: the figures must agree within Monte-Carlo 
 """
 
 from __future__ import annotations
-
-import argparse
 
 import torch
 
@@ -87,22 +85,13 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(prompts: int = 16, max_tokens: int = 48, dtype: str = "auto", out: str | None = None) -> int:
+    """`specserve bench proposal-width`: measure, print, write results/proposal-width-<hardware>.json/.md."""
     from serve_app.bench.rounds import default_stem, write_results
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/proposal-width-<hardware>)")
-    args = ap.parse_args(argv)
-    res = measure(*collect(args.prompts, args.max_tokens, args.dtype))
+    res = measure(*collect(prompts, max_tokens, dtype))
     md = markdown(res)
     print(md)
-    json_path, md_path = write_results(args.out or default_stem("proposal-width"), res, md)
+    json_path, md_path = write_results(out or default_stem("proposal-width"), res, md)
     print(f"results: {json_path}, {md_path}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
