@@ -12,7 +12,8 @@ distributed exactly as if sampled from the target p alone. Greedy decoding is th
 where p and q are one-hot: accept while the draft token equals the target argmax. Seeded requests
 use a coupled sampler instead (`sampling.gumbel`): draft and target choose with the same noise, the
 draft is accepted while the choices agree (`accept_greedy` on the target's choices), and the text
-then does not depend on k. The vocabulary-sized work that feeds these rules (warping, noise,
+then does not depend on k. `sampling.verify_walk` applies these rules position by position over the
+rows still accepting; `accept_greedy` is the rule over all k at once, which its tests check it against. The vocabulary-sized work that feeds these rules (warping, noise,
 the per-position walk over the batch) is in `sampling.py`.
 
 All randomness comes in as uniforms drawn by the caller, so these functions are deterministic and
