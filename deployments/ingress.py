@@ -303,7 +303,11 @@ _SERIES = [
     ("specserve_speculation_k", "gauge", "Speculation length chosen for the last step.", ("gauges", "k")),
     ("specserve_queue_depth", "gauge", "Requests waiting for admission.", ("gauges", "waiting")),
     ("specserve_acceptance_estimate", "gauge", "Live per-token draft acceptance estimate.", ("gauges", "acceptance_estimate")),
-    ("vllm:num_requests_running", "gauge", "Requests in the running batch.", ("gauges", "running")),
+    ("vllm:num_requests_running", "gauge", "Requests admitted: decoding or prefilling.", ("gauges", "running")),
+    ("vllm:kv_cache_usage_perc", "gauge", "KV pool share counted for admitted requests (0-1; shared prefix blocks counted per holder).", ("gauges", "kv_usage")),
+    ("vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache (whole blocks).", ("counters", "prefix_queries")),
+    ("vllm:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.", ("counters", "prefix_hits")),
+    ("vllm:num_preemptions_total", "counter", "Requests sent back to the queue because the KV pool ran short.", ("counters", "preemptions")),
     ("vllm:num_requests_waiting", "gauge", "Requests waiting for admission.", ("gauges", "waiting")),
     ("vllm:prompt_tokens_total", "counter", "Prompt tokens of finished requests.", ("counters", "prompt_tokens")),
     ("vllm:generation_tokens_total", "counter", "Tokens generated.", ("counters", "generated_tokens")),
@@ -311,6 +315,13 @@ _SERIES = [
     ("vllm:spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed.", ("counters", "draft_tokens")),
     ("vllm:spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.", ("counters", "accepted_tokens")),
 ]
+
+
+def _usage(n_prompt: int, n_out: int, cached: int) -> dict:
+    """OpenAI's usage object; cached_tokens: prompt tokens whose KV came from the prefix cache (the
+    prompt is shared by a request's choices: the largest of theirs)."""
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def render_metrics(snapshots: dict[str, dict], model_name: str) -> str:
@@ -613,7 +624,9 @@ class OpenAIIngress:
                     lease.end(finished=lease.upstream is None or lease.upstream.finished)
 
     async def _collect(self, firsts: list[dict], leases: list[_GroupLease], meta: dict, n_prompt: int, chat: bool):
-        async def one(first: dict, events: RouterStream) -> tuple[str, list[int], list | None, str | None]:
+        cached = [0] * len(leases)
+
+        async def one(c: int, first: dict, events: RouterStream) -> tuple[str, list[int], list | None, str | None]:
             text, ids, ev = [first["text"]], list(first["token_ids"]), first
             lps = list(first["logprobs"]) if "logprobs" in first else None
             while not ev["finished"]:
@@ -624,9 +637,10 @@ class OpenAIIngress:
                     lps += ev.get("logprobs", [])
             if ev.get("error"):
                 raise APIError(503, ev["error"], code="engine_error")
+            cached[c] = ev.get("stats", {}).get("cached_tokens", 0)
             return "".join(text), ids, lps, ev["finish_reason"]
 
-        answers = await asyncio.gather(*(one(f, lease.upstream) for f, lease in zip(firsts, leases)))
+        answers = await asyncio.gather(*(one(c, f, lease.upstream) for c, (f, lease) in enumerate(zip(firsts, leases))))
         choices = []
         for c, (content, ids, lps, reason) in enumerate(answers):
             choice = {"index": c, "finish_reason": reason, "logprobs": self._format_logprobs(ids, lps, chat)}
@@ -634,7 +648,7 @@ class OpenAIIngress:
             choices.append(choice)
         n_out = sum(len(ids) for _, ids, _, _ in answers)
         return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}}
+                "usage": _usage(n_prompt, n_out, max(cached))}
 
     async def _sse(self, firsts: list[dict], leases: list[_GroupLease], meta: dict, n_prompt: int, chat: bool,
                    include_usage: bool):
@@ -665,7 +679,7 @@ class OpenAIIngress:
                 ev = await events.next()
 
         pumps = [asyncio.ensure_future(pump(c, f, lease.upstream)) for c, (f, lease) in enumerate(zip(firsts, leases))]
-        n_out, open_choices = 0, len(pumps)
+        n_out, open_choices, cached = 0, len(pumps), 0
         try:
             if chat:
                 for c in range(len(pumps)):
@@ -681,9 +695,10 @@ class OpenAIIngress:
                     yield chunk(c, ev["text"], None, ev=ev)
                 if ev["finished"]:
                     open_choices -= 1
+                    cached = max(cached, ev.get("stats", {}).get("cached_tokens", 0))
                     yield chunk(c, None if chat else "", ev["finish_reason"])
             if include_usage:
-                usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+                usage = _usage(n_prompt, n_out, cached)
                 yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
         finally:

@@ -86,7 +86,8 @@ class Router:
     @staticmethod
     def new_totals() -> dict:
         return {"requests": Tally(), "prompt_tokens": 0, "generated_tokens": 0, "drafts": 0,
-                "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_position": Tally()}
+                "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_position": Tally(),
+                "prefix_queries": 0, "prefix_hits": 0, "preemptions": 0}
 
     # ---- setup -------------------------------------------------------------------------------
     def _resources(self) -> dict:
@@ -315,6 +316,9 @@ class Router:
     def _on_step(self, st: StepStats) -> None:  # runs in the engine's step thread
         self.m_step.observe(st.draft_s + st.verify_s + st.other_s)
         self.m_queue.set(len(self.engine.waiting))
+        self.totals["prefix_queries"] += st.prefix_queried
+        self.totals["prefix_hits"] += st.prefix_hits
+        self.totals["preemptions"] += st.preempted
         if st.batch_size:
             self.m_batch.set(st.batch_size)
             self.m_k.set(st.k)
@@ -410,8 +414,9 @@ class Router:
                 "counters": {**{k: v for k, v in t.items() if not isinstance(v, Tally)},
                              "requests": dict(t["requests"]),
                              "accepted_per_position": [t["accepted_per_position"][i] for i in range(len(t["accepted_per_position"]))]},
-                "gauges": {**self.last_step, "running": len(self.engine.running), "waiting": len(self.engine.waiting),
-                           "acceptance_estimate": self.acceptance_estimate()}}
+                "gauges": {**self.last_step, "running": len(self.engine.running) + len(self.engine.prefilling),
+                           "waiting": len(self.engine.waiting), "acceptance_estimate": self.acceptance_estimate(),
+                           "kv_usage": self.engine.reserved / self.engine.kv_capacity}}
 
     async def max_model_len(self) -> int:
         return self.engine.max_model_len
@@ -427,7 +432,8 @@ class Router:
             "profile_source": self.profile_source(), "policy": self.engine.policy.name, "profile_problem": self.profile_problem,
             "acceptance_estimate": self.acceptance_estimate(),
             "k_steps": dict(self.k_tally), "max_batch_seen": self.max_batch_seen,
-            "running": len(self.engine.running), "waiting": len(self.engine.waiting), "reserved": self.engine.reserved,
+            "running": len(self.engine.running), "prefilling": len(self.engine.prefilling),
+            "waiting": len(self.engine.waiting), "reserved": self.engine.reserved,
             "actors": self.actor_names, "recoveries": self.recoveries, "resumed": self.resumed, "repairing": self.engine.repairing,
             "speculating": self.engine.speculating,
         }

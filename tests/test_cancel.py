@@ -123,8 +123,8 @@ def test_abort_racing_admission_never_pops_the_wrong_request(tiny_target, behind
     outs = engine.step()  # admits req (the abort is still waiting for the lock)
     aborter[0].join(5)
     assert not aborter[0].is_alive()
-    assert all(r is req for r, _ in outs)  # prefill and one decode step, of the request it peeked
-    assert sum((o.token_ids for _, o in outs), []) == greedy(tiny_target, QUEUED[0], 2)
+    assert all(r is req for r, _ in outs)  # its prefill and first token, of the request it peeked
+    assert sum((o.token_ids for _, o in outs), []) == greedy(tiny_target, QUEUED[0], 1)
     assert req.cancelled and list(engine.waiting) == others
     outs = engine.step()  # cancelled while running: leaves the batch at the next step
     assert [(r, o.finish_reason) for r, o in outs if r is req] == [(req, "abort")]

@@ -166,3 +166,26 @@ def test_rows_that_never_drafted_can_leave(target, draft):
     engine.run(reqs)
     refs = reference(target, PROMPTS, 17)
     assert [r.output_ids for r in reqs] == [refs[0][:3], refs[1][:3]] + [refs[i][: 2 + 3 * i] for i in range(2, 6)]
+
+
+def test_prefix_cache_hands_the_draft_the_kept_features(target, draft):
+    """Prompts sharing blocks, prefilled in chunks: the target takes cached blocks and hands the draft
+    the features it kept beside them, so the draft proposes exactly as without caching."""
+    shared = list(range(5, 45))
+    prompts = [shared + [1, 2], shared + [3], shared[:30] + [7, 8, 9]]
+    runs = {}
+    for caching in (True, False):
+        engine = Engine(ModelWorker(target, "target"), draft_worker(draft), IdTokenizer(),
+                        EngineConfig(policy="fixed:3", max_batch_size=2, block_size=4, max_num_batched_tokens=16,
+                                     prefix_caching=caching), eos_ids=set())
+        steps = []
+        engine.on_step.append(steps.append)
+        reqs = []
+        for p in prompts:
+            reqs.append(engine.submit(p, SamplingParams(max_tokens=10)))
+            engine.run(reqs)  # one after another: later prompts find the earlier ones' blocks
+        runs[caching] = ([r.output_ids for r in reqs], [(r.stats.proposed, r.stats.accepted) for r in reqs])
+        if caching:
+            assert sum(st.prefix_hits for st in steps) >= 40 + 28
+    assert runs[True] == runs[False]
+    assert runs[True][0] == reference(target, prompts, 10)

@@ -443,7 +443,8 @@ def test_eagle3_features_go_from_target_actor_to_draft_actor_directly(service, e
         direct = target.take_timings()["direct_bytes"]
         crossed = target.bytes_sent + target.bytes_received + draft.bytes_sent + draft.bytes_received
         target.add(["x"], [[1, 2, 3]], [SamplingParams()])
-        assert isinstance(target.verify(["x"], Proposal.empty(1)).features, ray.ObjectRef)  # a reference, not data
+        refs = target.verify(["x"], Proposal.empty(1)).features  # references, not data: decoding rows', chunks'
+        assert isinstance(refs, tuple) and all(isinstance(r, ray.ObjectRef) for r in refs)
         alone = Engine.from_models(load_models(ModelConfig(target=model["target"], draft="none", dtype="float64")),
                                    EngineConfig(policy="none", max_batch_size=4))
         ref = [alone.submit(r.prompt_ids, r.params) for r in reqs]

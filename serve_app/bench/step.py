@@ -230,6 +230,10 @@ def start_cell(side: Side, cfg: StepBench, batch: int, mix: str) -> list:
     reqs = [engine.submit(p, _params(mix, i, cfg.max_tokens)) for i, p in enumerate(prompts)]
     for _ in range(cfg.warmup):
         engine.step()
+    for _ in range(10 * batch):  # prefills run in chunks within the step's token budget: finish them
+        if not (engine.waiting or engine.prefilling):
+            break
+        engine.step()
     if len(engine.running) != batch:
         raise RuntimeError(f"{side.name}: {len(engine.running)} of {batch} requests running after the warm-up")
     return reqs
@@ -247,7 +251,7 @@ def timed_step(side: Side, batch: int) -> dict:
     crossed = _crossed(side) - b0
     timings = [w.take_timings() for w in side.workers]
     st = side.seen[-1]
-    if st.batch_size != batch or st.prefilled:
+    if st.batch_size != batch or st.prefilled or st.prefill_tokens:
         raise RuntimeError(f"{side.name}: a timed step decoded {st.batch_size} of {batch} (prefilled {st.prefilled})")
     forward = sum(x["forward_s"] for x in timings)
     other = sum(x["sample_s"] for x in timings)

@@ -152,18 +152,24 @@ class Eagle3Draft(nn.Module):
         """
         state = self.step(input_ids, hidden, position_ids, attention_mask, past_key_values)
         kept = state[:, -logits_to_keep:] if logits_to_keep else state
-        small = self.reduced_logits(kept)  # [B, K, N]
-        full = small.new_full((*small.shape[:2], self.vocab_size), float("-inf"))
-        full[..., self.token_ids] = small
-        return full, state
+        return self.full_logits(kept), state
 
-    def step(self, input_ids, hidden, position_ids, attention_mask=None, past_key_values=None) -> torch.Tensor:
-        """The decoder layer alone: [B, T] ids and [B, T, H] features -> [B, T, H] output state."""
+    def full_logits(self, state: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V]
+        """Logits over the target's whole vocabulary: -inf outside the draft's tokens."""
+        small = self.reduced_logits(state)  # [..., N]
+        full = small.new_full((*small.shape[:-1], self.vocab_size), float("-inf"))
+        full[..., self.token_ids] = small
+        return full
+
+    def step(self, input_ids, hidden, position_ids, attention_mask=None, past_key_values=None,
+             **attention_kwargs) -> torch.Tensor:
+        """The decoder layer alone: [B, T] ids and [B, T, H] features -> [B, T, H] output state
+        (attention_kwargs go to the attention implementation, e.g. a paged forward's batch)."""
         emb = self.embed_tokens(input_ids).to(hidden.dtype)
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
         rope = self.rotary_emb(hidden, position_ids)
         attn, _ = self.self_attn(x, position_embeddings=rope, attention_mask=attention_mask,
-                                 past_key_values=past_key_values)
+                                 past_key_values=past_key_values, **attention_kwargs)
         h = hidden + attn  # the residual stream continues from the feature, not from the embedding
         return h + self.mlp(self.post_attention_layernorm(h))
 

@@ -16,26 +16,30 @@ import time
 
 import torch
 
-from serve_app.engine.kv import causal_mask, ragged_inputs
-
-from serve_app.engine.worker import ModelWorker, Proposal, _backlog_agreement, _proposal
+from serve_app.engine.kv import pack
+from serve_app.engine.worker import ModelWorker, Proposal, _backlog_agreement, _proposal, paged_attention
 
 
 class EagleWorker(ModelWorker):
-    """A ModelWorker whose model is an Eagle3Draft; rows, KV compaction and sampling are inherited."""
+    """A ModelWorker whose model is an Eagle3Draft; sequences, paged KV and sampling are inherited."""
 
     def __init__(self, draft, pad_id: int = 0):
         super().__init__(draft, "draft", pad_id)
         self.feature_dim = draft.fc.in_features
 
-    def add(self, seq_ids, prompts, params) -> None:
-        super().add(seq_ids, prompts, params)
+    def shares_prefixes(self) -> bool:
+        """Never: draft position p holds f_p with token p + 1, so a block depends on the token after it."""
+        return False
+
+    def add(self, seq_ids, prompts, params) -> list[int]:
+        cached = super().add(seq_ids, prompts, params)
         for sid in seq_ids:
             self.seqs[sid].extra["features"] = []  # [n, F] chunks not yet fed, in position order
+        return cached
 
-    def prefill(self, seq_ids, features=None) -> None:
-        """Keep the prompt's features; they are fed with the first proposal (the first token after the
-        prompt is needed to pair with the last prompt feature)."""
+    def prefill(self, seq_ids, features=None, upto=None) -> None:
+        """Keep the prompt's features (chunk by chunk, as the target prefills); they are fed with the first
+        proposal (the first token after the prompt is needed to pair with the last prompt feature)."""
         if features is None:
             raise ValueError("an EAGLE-3 draft needs the target's features: the target must capture "
                              f"layers {self.model.feature_layers}")
@@ -46,6 +50,7 @@ class EagleWorker(ModelWorker):
         when there are none: the first token after a prefill, whose prompt features came with it)."""
         for sid, new in zip(seq_ids, new_tokens):
             self.seqs[sid].tokens.extend(new)
+            self.cache.trim(sid, self.seqs[sid].kv_len)  # its own speculative positions go
         if features is not None:
             self._take(seq_ids, features)
 
@@ -71,14 +76,11 @@ class EagleWorker(ModelWorker):
             if len(f) != len(ids):  # an invariant of commit/verify; say so plainly if it ever breaks
                 raise RuntimeError(f"draft holds {len(f)} target features for {len(ids)} new positions")
         window = min(max(len(f) for f in fed), max(2, 256 // len(seqs)), 32)
-        ids, pos = ragged_inputs(fed, [s.kv_len for s in seqs], self.pad_id)
         t0 = time.perf_counter()  # the fc over every row's new features in one matmul: model work, timed so
-        fused = self.model.fuse(torch.cat(feats).to(self.device)).split([len(f) for f in feats])  # [n_b, H] each
-        hidden = self._left_pad(list(fused), ids.shape[1])  # [B, W, H]
+        fused = self.model.fuse(torch.cat(feats).to(self.device))  # [T, H]: packed, like the fed tokens
         self._sync()
         self.timings["forward_s"] += time.perf_counter() - t0
-        row0 = self.order.index(seq_ids[0])
-        logits, state = self._step(row0, ids, hidden, pos, keep=window)
+        logits, state = self._step(seq_ids, fed, [s.kv_len for s in seqs], fused, window)
         backlog = self._timed(_backlog_agreement, seqs, fed, logits)
         for s, n in zip(seqs, lens):
             s.kv_len, s.extra["features"] = n - 1, []
@@ -90,29 +92,26 @@ class EagleWorker(ModelWorker):
             probs.append(q)
             support.append(ids)
             if j + 1 < k:  # the next step feeds this token with the draft's own state
-                step_pos = torch.tensor([[n - 1 + j] for n in lens])
-                logits, state = self._step(row0, tok[:, None], state[:, -1:], step_pos, keep=1)
+                logits, state = self._step(seq_ids, [[t] for t in tok.tolist()], [n - 1 + j for n in lens],
+                                           state[:, -1], 1)
         return _proposal(tokens, probs, support, len(seqs), backlog)
 
-    def _step(self, row0: int, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, keep: int):
-        """One forward of the draft layer over ids [B, T] / hidden [B, T, H] at positions [B, T], for the
-        rows starting at row0."""
+    def _step(self, seq_ids: list[str], fed: list[list[int]], starts: list[int], hidden: torch.Tensor, keep: int):
+        """One packed forward of the draft layer: row b feeds fed[b] at positions starts[b], ... with
+        hidden [T, H] (packed the same way). Returns (logits [B, keep, V], state [B, keep, H]) of each
+        row's last `keep` fed positions."""
         t0 = time.perf_counter()
-        ids, pos = ids.to(self.device), pos.to(self.device)
-        self.cache.prepare(row0, pos)
-        mask = causal_mask(pos, self.cache._kv_max, self.mask_dtype)
-        out = self.model(ids, hidden, pos, attention_mask=mask, past_key_values=self.cache, logits_to_keep=keep)
+        index = self._last(fed, keep).to(self.device)  # [B, keep]
+        ids, pos, batch = pack(self.cache, seq_ids, fed, starts, self.device)
+        self.cache.batch = batch
+        with paged_attention(self.model):
+            state = self.model.step(ids, hidden[None].to(self.device), pos, None, self.cache,
+                                    specserve_batch=batch)[0, index]
+        self.cache.batch = None
+        logits = self.model.full_logits(state)
         self._sync()
         self.timings["forward_s"] += time.perf_counter() - t0
-        return out
-
-    @staticmethod
-    def _left_pad(rows: list[torch.Tensor], width: int) -> torch.Tensor:  # rows of [n_b, H] -> [B, width, H]
-        out = rows[0].new_zeros((len(rows), width, rows[0].shape[-1]))
-        for b, r in enumerate(rows):
-            if len(r):
-                out[b, width - len(r):] = r
-        return out
+        return logits, state
 
     def info(self) -> dict:
         return {**super().info(), "feature_layers": self.model.feature_layers}

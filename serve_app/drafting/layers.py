@@ -69,9 +69,11 @@ class ReducedVocabDraft(nn.Module):
     def forward(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None,
                 use_cache=False, logits_to_keep: int = 0, **kwargs):
         out = self.body(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                        past_key_values=past_key_values, use_cache=use_cache)
+                        past_key_values=past_key_values, use_cache=use_cache, **kwargs)
         hidden = out.last_hidden_state
-        if logits_to_keep:
+        if isinstance(logits_to_keep, torch.Tensor):  # the positions to keep ([N])
+            hidden = hidden[:, logits_to_keep]
+        elif logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         small = self.reduced_logits(hidden)  # [B, T, N]
         full = small.new_full((*small.shape[:2], self.vocab_size), float("-inf"))

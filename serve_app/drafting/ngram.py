@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from serve_app.config import SamplingParams
-from serve_app.engine.kv import compact_rows
 from serve_app.profiling.profiles import detect_gpu_type
-from serve_app.engine.worker import Proposal, contiguous_rows, new_timings
+from serve_app.engine.worker import Proposal, lookup, new_timings
 
 
 @dataclass(frozen=True)
@@ -77,11 +76,11 @@ class NgramWorker:
         self.draft = draft
         self.role = "draft"
         self.seqs: dict[str, _Sequence] = {}
-        self.order: list[str] = []  # order[row] = sequence id
+        self.order: list[str] = []  # sequence ids in the order they were added
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def add(self, seq_ids: list[str], prompts: list[list[int]], params: list[SamplingParams]) -> None:
-        """Register new sequences in the rows after the running ones and index their prompts."""
+    def add(self, seq_ids: list[str], prompts: list[list[int]], params: list[SamplingParams]) -> list[int]:
+        """Register new sequences and index their prompts (no KV: nothing cached to start from)."""
         for sid, prompt, p in zip(seq_ids, prompts, params):
             if sid in self.seqs:
                 raise ValueError(f"sequence {sid!r} already exists")
@@ -89,12 +88,15 @@ class NgramWorker:
             self._extend(s, prompt)
             self.seqs[sid] = s
             self.order.append(sid)
+        return [0] * len(seq_ids)
+
+    def configure_kv(self, block_size: int = 16, max_blocks: int = 4096, prefix_caching: bool = True) -> None:
+        """No KV to configure: the n-gram draft holds token indexes only."""
 
     def remove(self, seq_ids: list[str]) -> None:
-        """Drop finished sequences and compact rows the way the engine does (no state moves: the
-        per-sequence index is keyed by id, not by row)."""
+        """Drop finished sequences."""
         gone = set(seq_ids) & set(self.seqs)
-        self.order, _ = compact_rows(self.order, gone)
+        self.order = [s for s in self.order if s not in gone]
         for sid in gone:
             del self.seqs[sid]
 
@@ -102,8 +104,8 @@ class NgramWorker:
         """Drop every sequence (after a failed step)."""
         self.remove(list(self.order))
 
-    def prefill(self, seq_ids: list[str], features: list[torch.Tensor] | None = None) -> None:
-        """Nothing to feed: add() indexed the prompts. Checks the rows like ModelWorker does."""
+    def prefill(self, seq_ids: list[str], features: list[torch.Tensor] | None = None, upto=None) -> None:
+        """Nothing to feed: add() indexed the prompts. Checks the ids like ModelWorker does."""
         self._rows(seq_ids)
 
     # ---- draft side --------------------------------------------------------------------------
@@ -200,4 +202,4 @@ class NgramWorker:
                 s.index[tuple(toks[e - n : e])] = e
 
     def _rows(self, seq_ids: list[str]) -> list[_Sequence]:
-        return contiguous_rows(self, seq_ids)
+        return lookup(self, seq_ids)

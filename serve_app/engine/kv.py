@@ -1,92 +1,203 @@
-"""Batched KV state with ragged per-sequence lengths, written by position.
+"""Paged KV: fixed-size blocks, a block table per sequence, prefix caching, packed forwards.
 
-Each running sequence owns one row of every layer's key/value tensor. A forward writes each new
-token's K/V at that token's own position in its row, and the attention mask (built from positions)
-decides what each query sees. So a sequence's valid KV is simply its first `kv_len` positions:
-rolling back rejected draft tokens is lowering `kv_len`, never copying caches; stale entries past it
-are masked and overwritten by the next write at that position.
+Every layer's keys and values live in one pool of blocks ([blocks * block_size, kv_heads, head_dim]).
+A sequence holds a block table: block i stores its positions [i * block_size, (i + 1) * block_size).
+Blocks are taken as tokens arrive and given back when a sequence leaves, so memory follows the
+tokens held (at most one partly filled block per sequence), not the longest row. A sequence's valid KV
+is its first `kv_len` positions: rolling back rejected drafts is lowering `kv_len` (and returning
+blocks past it), never copying caches.
 
-Rows of running sequences are kept contiguous (0..n-1) so a batch forward works on a view; when a
-sequence leaves, the last row moves into its place (one sequence's K/V, once per eviction).
+Prefix caching: a full block of committed tokens is named by a hash of its tokens and of everything
+before them (a chain), so a new sequence whose prompt starts with the same blocks takes them by
+reference instead of computing them. A block no sequence holds stays cached until its memory is
+needed, then the least recently used goes first. Shared blocks are full and never written again.
+
+A forward is packed: the fed tokens of all sequences form one row [1, T] through the model's linear
+layers (no padding compute: a 512-token prefill chunk and 32 decode rows cost 512 + 32 * (k + 1)
+tokens), and attention (`paged_attention`, registered with transformers' AttentionInterface) reads
+each sequence's keys and values from its blocks: short rows (decoding, verifying) together in one
+padded SDPA call, each long row (a prefill chunk) in its own.
+
+Why not transformers' own paged cache (generation/continuous_batching): its SDPA path attends over the
+whole packed batch with a [T, total keys] mask (the batch's cost squared) and its fast path needs the
+flash-attn kernels; its allocator is tied to its own scheduler's request objects.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
 import torch
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
+ATTENTION = "specserve_paged"
+"""The attention implementation name a worker's model runs under during its forwards."""
 
-class SlotKVCache(Cache):
-    """HF-compatible cache over rows of [rows, kv_heads, capacity, head_dim] tensors per layer."""
+TRASH = 0
+"""Block 0 is never handed out: padded reads in a batched attention call point there (masked)."""
 
-    def __init__(self) -> None:
+LONG_ROW = 64
+"""Rows feeding more tokens than this (prefill chunks) get their own attention call."""
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool is at its limit and no cached block is free to evict (the engine's admission
+    accounting keeps this from happening)."""
+
+
+@dataclass
+class KVStats:
+    """Prefix-cache counters (tokens), in vLLM's terms: queries = prompt tokens looked up, hits = found."""
+
+    queries: int = 0
+    hits: int = 0
+    evictions: int = 0
+
+
+class PagedKV(Cache):
+    """HF-compatible cache over a block pool per layer, with block tables and a prefix cache."""
+
+    def __init__(self, block_size: int = 16, max_blocks: int = 4096, prefix_caching: bool = True) -> None:
         super().__init__(layers=[])
-        self.keys: list[torch.Tensor] = []
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        """Most blocks the pool may grow to (block 0, the trash block, included)."""
+        self.prefix_caching = prefix_caching
+        self.keys: list[torch.Tensor] = []  # per layer [num_blocks * block_size, kv_heads, head_dim]
         self.values: list[torch.Tensor] = []
-        self._rows = 0  # allocated rows / capacity wanted by the next forward
-        self._cap = 0
-        self._row_start = 0
-        self._positions: torch.Tensor | None = None  # [B, T] positions written by the current forward
-        self._positions_on: dict = {}  # device -> _positions there (a model split over devices: layers differ)
-        self._kv_max = 0
+        self.num_blocks = 1  # blocks the pool has now (grown on demand, amortised)
+        self.free: list[int] = []
+        self.refs: dict[int, int] = {}  # block -> sequences holding it
+        self.tables: dict[str, list[int]] = {}  # sequence -> its blocks in position order
+        self.chains: dict[str, list[bytes]] = {}  # sequence -> hashes of its first full, committed blocks
+        self.by_hash: dict[bytes, int] = {}
+        self.hash_of: dict[int, bytes] = {}
+        self.lru: OrderedDict[int, None] = OrderedDict()  # cached blocks no sequence holds, oldest first
+        self.stats = KVStats()
+        self.batch: PackedBatch | None = None  # the forward under way
 
-    def prepare(self, row_start: int, positions: torch.Tensor) -> None:
-        """Set where the next forward writes: rows [row_start, row_start+B), positions [B, T]."""
-        self._row_start = row_start
-        self._positions = positions
-        self._positions_on = {positions.device: positions}
-        self._kv_max = int(positions.max()) + 1
-        self._rows = max(self._rows, _round_up_pow2(row_start + positions.shape[0]))
-        self._cap = max(self._cap, -(-self._kv_max // 128) * 128)
+    # ---- blocks ------------------------------------------------------------------------------
+    def match_prefix(self, sid: str, tokens: list[int]) -> int:
+        """Start sequence sid with the cached blocks its tokens begin with; returns the tokens they
+        cover. The block holding the last token is never taken: it must be computed for its logits."""
+        table, chain = self.tables.setdefault(sid, []), self.chains.setdefault(sid, [])
+        if table:
+            raise ValueError(f"sequence {sid!r} already holds blocks")
+        if not self.prefix_caching:
+            return 0
+        bs = self.block_size
+        full = (len(tokens) - 1) // bs
+        self.stats.queries += full * bs
+        parent = b""
+        for i in range(full):
+            h = _block_hash(parent, tokens[i * bs : (i + 1) * bs])
+            block = self.by_hash.get(h)
+            if block is None:
+                break
+            self._hold(block)
+            table.append(block)
+            chain.append(h)
+            parent = h
+        self.stats.hits += len(table) * bs
+        return len(table) * bs
 
+    def reserve(self, sid: str, end: int) -> None:
+        """Make sid's table cover positions [0, end)."""
+        table = self.tables.setdefault(sid, [])
+        while len(table) * self.block_size < end:
+            table.append(self._take())
+
+    def trim(self, sid: str, kv_len: int) -> None:
+        """Give back sid's blocks past its valid KV (speculative positions rolled back)."""
+        table = self.tables.get(sid)
+        keep = -(-kv_len // self.block_size)
+        while table and len(table) > keep:
+            self._drop(table.pop())
+
+    def commit(self, sid: str, tokens: list[int], kv_len: int) -> None:
+        """Name sid's full blocks of committed tokens ([0, kv_len)) so later sequences can share them."""
+        if not self.prefix_caching:
+            return
+        table, chain, bs = self.tables[sid], self.chains[sid], self.block_size
+        while (len(chain) + 1) * bs <= kv_len:
+            i = len(chain)
+            h = _block_hash(chain[-1] if chain else b"", tokens[i * bs : (i + 1) * bs])
+            chain.append(h)
+            if h not in self.by_hash:  # else another sequence computed the same block first: keep theirs
+                self.by_hash[h], self.hash_of[table[i]] = table[i], h
+
+    def release(self, sid: str) -> None:
+        """Sequence sid leaves: its blocks go back (named ones stay cached until evicted)."""
+        for block in self.tables.pop(sid, []):
+            self._drop(block)
+        self.chains.pop(sid, None)
+
+    def held_blocks(self) -> int:
+        """Blocks some sequence holds (shared ones once)."""
+        return len(self.refs)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def _hold(self, block: int) -> None:
+        self.refs[block] = self.refs.get(block, 0) + 1
+        self.lru.pop(block, None)
+
+    def _drop(self, block: int) -> None:
+        self.refs[block] -= 1
+        if self.refs[block]:
+            return
+        del self.refs[block]
+        if block in self.hash_of:
+            self.lru[block] = None  # cached: reusable by a later prompt until its memory is needed
+        else:
+            self.free.append(block)
+
+    def _take(self) -> int:
+        if not self.free:
+            if self.num_blocks < self.max_blocks:  # grow by an eighth: few copies, little slack
+                grow = min(self.max_blocks, max(self.num_blocks + 1, self.num_blocks * 9 // 8, 16)) - self.num_blocks
+                self.free.extend(range(self.num_blocks + grow - 1, self.num_blocks - 1, -1))
+                self.num_blocks += grow
+            elif self.lru:
+                block, _ = self.lru.popitem(last=False)
+                del self.by_hash[self.hash_of.pop(block)]
+                self.stats.evictions += 1
+                self.free.append(block)
+            else:
+                raise OutOfBlocks(f"KV pool full: {self.max_blocks} blocks of {self.block_size} tokens held")
+        block = self.free.pop()
+        self.refs[block] = 1
+        return block
+
+    # ---- transformers' Cache interface -----------------------------------------------------
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        # key_states, value_states: [B, kv_heads, T, head_dim] for the tokens of this forward
+        # key_states, value_states: [1, kv_heads, T, head_dim] for the packed tokens of this forward
         if layer_idx == len(self.keys):
-            shape = (self._rows, key_states.shape[1], self._cap, key_states.shape[3])
+            shape = (0, key_states.shape[1], key_states.shape[3])
             self.keys.append(key_states.new_zeros(shape))
             self.values.append(value_states.new_zeros(shape))
-        self._grow(layer_idx)
-        r0, bsz = self._row_start, key_states.shape[0]
-        index = self._positions_at(key_states.device)[:, None, :, None].expand_as(key_states)
-        keys = self.keys[layer_idx][r0 : r0 + bsz]
-        values = self.values[layer_idx][r0 : r0 + bsz]
-        keys.scatter_(2, index, key_states)
-        values.scatter_(2, index, value_states)
-        return keys[:, :, : self._kv_max], values[:, :, : self._kv_max]
+        self._fit(layer_idx)
+        slots = self.batch.on(key_states.device).slots
+        self.keys[layer_idx].index_copy_(0, slots, key_states[0].transpose(0, 1))
+        self.values[layer_idx].index_copy_(0, slots, value_states[0].transpose(0, 1))
+        return key_states, value_states  # attention reads the pool (`paged_attention`), not these
 
-    def _positions_at(self, device) -> torch.Tensor:
-        """The current positions on a layer's device: with `--device auto` a model's layers may sit on
-        several GPUs, and a scatter needs its index where its tensor is (copied once per device)."""
-        if device not in self._positions_on:
-            self._positions_on[device] = self._positions.to(device)
-        return self._positions_on[device]
-
-    def _grow(self, layer_idx: int) -> None:
-        """Reallocate a layer when the batch or the longest sequence outgrew it (amortised, rare)."""
-        old_k, old_v = self.keys[layer_idx], self.values[layer_idx]
-        rows, _, cap, _ = old_k.shape
-        if rows >= self._rows and cap >= self._cap:
-            return
-        shape = (max(rows, self._rows), old_k.shape[1], max(cap, self._cap), old_k.shape[3])
-        new_k, new_v = old_k.new_zeros(shape), old_v.new_zeros(shape)
-        new_k[:rows, :, :cap] = old_k
-        new_v[:rows, :, :cap] = old_v
-        self.keys[layer_idx], self.values[layer_idx] = new_k, new_v
-
-    def move_row(self, src: int, dst: int, length: int) -> None:
-        """Copy the first `length` positions of row src into row dst (compaction on eviction)."""
-        if length == 0:  # nothing cached for it yet: a draft that ran no forward since the row joined
-            return  # (k = 0 steps) has not even grown the cache to that row
-        for k, v in zip(self.keys, self.values):
-            k[dst, :, :length] = k[src, :, :length]
-            v[dst, :, :length] = v[src, :, :length]
+    def _fit(self, layer_idx: int) -> None:
+        """Grow a layer's pool to the blocks handed out (a copy, amortised: growth is by an eighth)."""
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        want = self.num_blocks * self.block_size
+        if k.shape[0] < want:
+            extra = (want - k.shape[0], *k.shape[1:])
+            self.keys[layer_idx] = torch.cat([k, k.new_zeros(extra)])
+            self.values[layer_idx] = torch.cat([v, v.new_zeros(extra)])
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        # Only consulted by models when no position_ids are given; we always give them.
-        return self._kv_max
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self._kv_max, 0
+        return 0  # models ask only without position_ids; we always give them
 
     @property
     def is_compileable(self) -> bool:
@@ -95,61 +206,118 @@ class SlotKVCache(Cache):
     def __len__(self) -> int:
         return len(self.keys)
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+def _block_hash(parent: bytes, tokens: list[int]) -> bytes:
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
-def _round_up_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+# ---- packed forwards ---------------------------------------------------------------------------
+@dataclass
+class Group:
+    """Rows attended together: queries q_index [B, T] into the packed tokens (pads repeat a real one),
+    keys kv_slots [B, L] into the pool (pads: the trash block), mask [B, 1, T, L] (a query sees keys
+    at positions <= its own); None: one row whose keys are exactly its queries, plain causal."""
+
+    q_index: torch.Tensor
+    q_valid: torch.Tensor
+    kv_slots: torch.Tensor
+    mask: torch.Tensor | None
 
 
-def compact_rows(order: list, removed: set) -> tuple[list, list[tuple[int, int]]]:
-    """New row order after removing sequences, and the (src, dst) row moves that achieve it.
+@dataclass
+class PackedBatch:
+    """Where one forward's tokens go and what each attends to."""
 
-    Each removed row is filled by the current last row, so survivors stay in rows 0..n-1. Both
-    workers and the engine call this same function, so they agree on rows without talking.
-    """
-    order = list(order)
-    moves: list[tuple[int, int]] = []
-    for row in sorted((i for i, s in enumerate(order) if s in removed), reverse=True):
-        last = len(order) - 1
-        if row != last:
-            order[row] = order[last]
-            moves.append((last, row))
-        order.pop()
-    return order, moves
+    slots: torch.Tensor  # [T] pool slot of each fed token
+    groups: list[Group]
+    cache: PagedKV
+    _on: dict = field(default_factory=dict)  # device -> this batch there (a model split over devices)
 
-
-def ragged_inputs(
-    fed: list[list[int]], starts: list[int], pad_id: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad ragged token lists into input_ids [B, T] and positions [B, T].
-
-    Row b feeds fed[b] at positions starts[b], starts[b]+1, ... Left padding puts every row's last
-    real token in the last column, so `logits_to_keep` selects the same columns for all rows. Pad
-    columns get positions just past the row's real tokens: they write K/V where nothing valid lives
-    and no real query can see them (keys past a query's own position are masked).
-    """
-    width = max(len(f) for f in fed)
-    ids = torch.full((len(fed), width), pad_id, dtype=torch.long)
-    pos = torch.empty((len(fed), width), dtype=torch.long)
-    cols = torch.arange(width)
-    for b, (tokens, start) in enumerate(zip(fed, starts)):
-        n, pad = len(tokens), width - len(tokens)
-        ids[b, pad:] = torch.tensor(tokens, dtype=torch.long)
-        pos[b] = torch.where(cols >= pad, start + cols - pad, start + n + cols)
-    return ids, pos
+    def on(self, device) -> "PackedBatch":
+        if device not in self._on:
+            move = lambda t: None if t is None else t.to(device)  # noqa: E731
+            self._on[device] = PackedBatch(
+                self.slots.to(device),
+                [Group(move(g.q_index), move(g.q_valid), move(g.kv_slots), move(g.mask)) for g in self.groups],
+                self.cache, {})
+        return self._on[device]
 
 
-def causal_mask(positions: torch.Tensor, kv_len: int, dtype: torch.dtype | None) -> torch.Tensor:
-    """[B, 1, T, kv_len] mask from positions [B, T]: a query sees keys at positions <= its own.
+def pack(cache: PagedKV, sids: list[str], fed: list[list[int]], starts: list[int], device,
+         ) -> tuple[torch.Tensor, torch.Tensor, PackedBatch]:
+    """input_ids [1, T] and position_ids [1, T] of every row's fed tokens in order (row b feeds fed[b]
+    at positions starts[b], starts[b] + 1, ...), with blocks reserved for them; and the PackedBatch
+    that tells `paged_attention` where they go. Rows feeding nothing are left out."""
+    bs = cache.block_size
+    ids, pos, slots = [], [], []
+    rows = []  # (sid, offset into the packed tokens, n, start)
+    for sid, tokens, start in zip(sids, fed, starts):
+        n = len(tokens)
+        if not n:
+            continue
+        cache.reserve(sid, start + n)
+        table = torch.tensor(cache.tables[sid], dtype=torch.long)
+        p = torch.arange(start, start + n)
+        rows.append((sid, len(ids), n, start))
+        ids += tokens
+        pos.append(p)
+        slots.append(table[p // bs] * bs + p % bs)
+    pos_t = torch.cat(pos)
+    groups = []
+    short = [r for r in rows if r[2] <= LONG_ROW]
+    if short:
+        groups.append(_group(cache, short, pos_t))
+    for r in rows:
+        if r[2] > LONG_ROW:
+            groups.append(_group(cache, [r], pos_t))
+    batch = PackedBatch(torch.cat(slots), groups, cache)
+    batch = batch.on(torch.device(device))
+    return (torch.tensor([ids], device=device), pos_t[None].to(device), batch)
 
-    dtype None gives a boolean mask (SDPA); a float dtype gives an additive mask (eager attention).
-    """
-    keys = torch.arange(kv_len, device=positions.device)
-    allowed = keys[None, None, None, :] <= positions[:, None, :, None]
-    if dtype is None:
-        return allowed
-    return torch.zeros(allowed.shape, dtype=dtype, device=positions.device).masked_fill_(
-        ~allowed, torch.finfo(dtype).min
-    )
+
+def _group(cache: PagedKV, rows: list[tuple], pos: torch.Tensor) -> Group:
+    bs = cache.block_size
+    width = max(n for _, _, n, _ in rows)
+    length = max(start + n for _, _, n, start in rows)
+    col = torch.arange(width)
+    q_index = torch.stack([off + torch.clamp(col - (width - n), min=0) for _, off, n, _ in rows])  # [B, T]
+    q_valid = torch.stack([col >= width - n for _, _, n, _ in rows])
+    nblk = -(-length // bs)
+    tables = torch.full((len(rows), nblk), TRASH, dtype=torch.long)
+    for b, (sid, _, _, _) in enumerate(rows):
+        t = cache.tables[sid][:nblk]
+        tables[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+    kv_slots = (tables[:, :, None] * bs + torch.arange(bs)).reshape(len(rows), -1)[:, :length]  # [B, L]
+    if len(rows) == 1 and rows[0][3] == 0:  # a prompt's first chunk: keys = its queries, plain causal
+        return Group(q_index, q_valid, kv_slots, None)
+    qpos = pos[q_index]  # [B, T]
+    mask = torch.arange(length)[None, None, :] <= qpos[:, :, None]
+    return Group(q_index, q_valid, kv_slots, mask[:, None])
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention over the paged pool for a packed forward (query [1, H, T, D]). Workers set this
+    implementation only around their own forwards, which always pass `specserve_batch`."""
+    batch: PackedBatch | None = kwargs.pop("specserve_batch", None)
+    if batch is None:  # a model wrapper dropped the attention kwargs: attending to this forward's keys
+        raise RuntimeError(  # alone would be silently wrong, so refuse
+            f"{type(module).__name__}: a paged forward reached attention without its batch layout "
+            "(`specserve_batch`): the model must pass its forward's keyword arguments down to attention")
+    batch = batch.on(query.device)
+    cache = batch.cache
+    k_pool, v_pool = cache.keys[module.layer_idx], cache.values[module.layer_idx]
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    out = torch.empty_like(q)
+    gqa = q.shape[1] != k_pool.shape[1]
+    for g in batch.groups:
+        b, width = g.q_index.shape
+        qg = q[g.q_index].transpose(1, 2)  # [B, H, T, D]
+        kg = k_pool[g.kv_slots].transpose(1, 2)  # [B, kv_heads, L, D]
+        vg = v_pool[g.kv_slots].transpose(1, 2)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qg, kg, vg, attn_mask=g.mask, is_causal=g.mask is None, scale=scaling, enable_gqa=gqa)
+        out[g.q_index[g.q_valid]] = o.transpose(1, 2)[g.q_valid]
+    return out[None], None  # [1, T, H, D]
+
+
+AttentionInterface.register(ATTENTION, paged_attention)

@@ -1,8 +1,10 @@
 """Continuous batching with speculative decoding: admit, step, evict, stream.
 
-`Engine.step()` is the hot path (see DESIGN.md, "One engine step"): admit waiting requests (prefill),
-ask the policy for k, draft proposes, target verifies in one forward, both commit, stream what was
-accepted, evict what finished. `Engine.generate()` streams one request's outputs as an async
+`Engine.step()` is the hot path (see DESIGN.md, "One engine step"): admit waiting requests while KV
+blocks allow, ask the policy for k, draft proposes, target verifies in one forward, which also
+prefills the next chunks of admitted prompts within the step's token budget (the waiting-served
+balance: `EngineConfig.max_num_batched_tokens`), both commit, stream what was accepted, evict what
+finished. A prompt whose prefill finished joins the decoding batch with its first token. `Engine.generate()` streams one request's outputs as an async
 iterator; a background task runs steps in a worker thread while any request is in flight.
 
 A failed step (a worker crashed) loses no request: what the step made final still streams, the
@@ -25,7 +27,6 @@ from typing import AsyncIterator, Callable
 
 
 from serve_app.config import EngineConfig, SamplingParams
-from serve_app.engine.kv import compact_rows
 from serve_app.engine.policy import BatchState, Policy, make_policy
 from serve_app.engine.stats import RequestStats, StepStats
 from serve_app.engine.textstream import TextStream
@@ -59,7 +60,6 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     stream: TextStream
-    reserve: int  # KV tokens held against the budget while running
     arrival: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)
@@ -67,6 +67,7 @@ class Request:
     finished: bool = False
     queue: asyncio.Queue | None = None
     queued_at: float = field(default_factory=time.perf_counter)  # entered the queue (again, when resumed)
+    prefilled: int = 0  # context tokens in the target's KV (from the prefix cache, then chunk by chunk)
 
     def context(self) -> list[int]:
         """What the workers hold for it: the prompt, plus what it generated before a resume."""
@@ -99,8 +100,8 @@ class Engine:
         # `abort` (event-loop thread) may remove any entry; a removal between that peek and pop would
         # pop the wrong request (or an empty queue). Held only for queue bookkeeping, never a forward.
         self._queue_lock = threading.Lock()
-        self.running: list[Request] = []  # running[row]: rows match both workers' `order`
-        self.reserved = 0
+        self.running: list[Request] = []  # decoding, in admission order
+        self.prefilling: list[Request] = []  # admitted, prompt partly in the KV, in admission order
         self.on_step: list[Callable[[StepStats], None]] = []  # observers (metrics, benchmarks)
         self._ids = itertools.count()
         self._loop_task: asyncio.Task | None = None
@@ -112,6 +113,30 @@ class Engine:
         self._repair_needed = False
         self._pending_draft: ModelWorker | None = None
         self._outs: list[tuple[Request, RequestOutput]] = []  # the current step's outputs so far
+        self._setup_kv()
+
+    def _setup_kv(self) -> None:
+        """Size both workers' KV pools from the budget (after a reset: a new pool, cache rebuilt)."""
+        c = self.config
+        for w in (self.target, self.draft):
+            if w is not None:
+                w.configure_kv(c.block_size, c.max_num_tokens // c.block_size + 1, c.prefix_caching)
+
+    @property
+    def kv_capacity(self) -> int:
+        """KV tokens admission may hand out (whole blocks of `max_num_tokens`)."""
+        return self.config.max_num_tokens // self.config.block_size * self.config.block_size
+
+    def kv_tokens(self, req: Request) -> int:
+        """KV tokens a request may hold by the end of the next step: its context and one speculation
+        window, in whole blocks (shared prefix blocks counted for every holder: an upper bound)."""
+        bs = self.config.block_size
+        return -(-(len(req.context()) + self.config.max_k + 1) // bs) * bs
+
+    @property
+    def reserved(self) -> int:
+        """KV tokens counted against the pool for the admitted requests (`kv_tokens`)."""
+        return sum(self.kv_tokens(r) for r in self.running + self.prefilling)
 
     def _link_draft(self) -> None:
         if self.draft is not None and self.draft.info().get("feature_layers"):
@@ -149,13 +174,13 @@ class Engine:
         if len(params.stop) > self.config.max_stop_strings:
             raise ValueError(f"at most {self.config.max_stop_strings} stop strings, got {len(params.stop)}")
         reserve = min(n + params.max_tokens, self.max_model_len) + self.config.max_k + 1
-        if reserve > self.config.max_num_tokens:
+        if reserve > self.kv_capacity:
             raise ValueError(
                 f"request needs {reserve} KV tokens (prompt {n} + max_tokens {params.max_tokens} + "
                 f"speculation window) but the KV budget is {self.config.max_num_tokens}"
             )
         rid = f"{request_id or 'req'}-{next(self._ids)}"  # unique even if callers reuse ids
-        req = Request(rid, list(prompt_ids), params, TextStream(self.tokenizer, params.stop), reserve)
+        req = Request(rid, list(prompt_ids), params, TextStream(self.tokenizer, params.stop))
         req.stats.prompt_tokens = n
         if resume:
             done = [int(t) for t in resume["output_ids"]]
@@ -192,7 +217,7 @@ class Engine:
             req.queue.put_nowait(out)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilling)
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[tuple[Request, RequestOutput]]:
@@ -205,30 +230,29 @@ class Engine:
             self._rejoin_draft()
         self._drop_cancelled()
         self._admit(st)
+        self._fit_kv(st)
+        budget = self.config.max_num_batched_tokens
+        k = 0
         if self.running:
             k = self.policy.choose(BatchState(len(self.running), self.config.max_k, self.draft is not None))
+            k = max(0, min(k, budget // len(self.running) - 1))  # the step's tokens stay within the budget
+        chunks = self._plan_chunks(budget - len(self.running) * (k + 1))
+        if self.running or chunks:
             ids = [r.id for r in self.running]
             t = time.perf_counter()
             proposal = self.draft.propose(ids, k) if k > 0 else Proposal.empty(len(ids))
             st.draft_s += time.perf_counter() - t
             t = time.perf_counter()
-            verdict = self.target.verify(ids, proposal)
-            num_accepted, next_tokens, features = verdict.num_accepted, verdict.next_tokens, verdict.features
-            logprobs = verdict.logprobs or [None] * len(ids)
+            verdict = self.target.verify(ids, proposal, chunks or None)
             st.verify_s += time.perf_counter() - t
-            new = [d[:n] + [nt] for d, n, nt in zip(proposal.tokens.tolist(), num_accepted, next_tokens)]
-            if self.draft is not None:
-                t = time.perf_counter()
-                self.draft.commit(ids, new, features)
-                st.draft_s += time.perf_counter() - t
-            st.batch_size, st.k, st.proposed = len(ids), k, k * len(ids)
-            st.backlog_checked, st.backlog_matched = proposal.backlog
-            st.accepted = sum(num_accepted)
-            st.accepted_per_position = [sum(n > i for n in num_accepted) for i in range(k)]
-            st.generated = sum(len(x) for x in new)
-            for req, n, toks, lp in zip(self.running, num_accepted, new, logprobs):
-                req.stats.add_step(k, n)
-                outs.append((req, self._advance(req, toks, lp)))
+            st.scheduled_tokens = len(ids) * (k + 1) + sum(chunks.values())
+            st.prefill_tokens = sum(chunks.values())
+            features, chunk_features = split_rows(verdict.features, len(ids))
+            logprobs = verdict.logprobs or [None] * (len(ids) + len(chunks))
+            if ids:
+                self._decoded(st, ids, k, proposal, verdict, features, logprobs)
+            if chunks:
+                self._prefilled(st, chunks, verdict.next_tokens[len(ids):], chunk_features, logprobs[len(ids):])
             self._evict([r for r in self.running if r.finished])
         st.other_s = time.perf_counter() - t0 - st.draft_s - st.verify_s
         if st.batch_size:
@@ -237,16 +261,69 @@ class Engine:
             fn(st)
         return outs
 
+    def _decoded(self, st: StepStats, ids: list[str], k: int, proposal: Proposal, verdict, features, logprobs) -> None:
+        """The decoding rows' part of a step: commit the draft, stream the accepted tokens."""
+        num_accepted, next_tokens = verdict.num_accepted[: len(ids)], verdict.next_tokens[: len(ids)]
+        new = [d[:n] + [nt] for d, n, nt in zip(proposal.tokens.tolist(), num_accepted, next_tokens)]
+        if self.draft is not None:
+            t = time.perf_counter()
+            self.draft.commit(ids, new, features)
+            st.draft_s += time.perf_counter() - t
+        st.batch_size, st.k, st.proposed = len(ids), k, k * len(ids)
+        st.backlog_checked, st.backlog_matched = proposal.backlog
+        st.accepted = sum(num_accepted)
+        st.accepted_per_position = [sum(n > i for n in num_accepted) for i in range(k)]
+        st.generated = sum(len(x) for x in new)
+        for req, n, toks, lp in zip(self.running, num_accepted, new, logprobs):
+            req.stats.add_step(k, n)
+            self._outs.append((req, self._advance(req, toks, lp)))
+
+    def _prefilled(self, st: StepStats, chunks: dict[str, int], first: list[int], features, logprobs) -> None:
+        """The prefill chunks' part of a step: the draft catches up to the same positions; a prompt
+        whose prefill finished joins the decoding batch with its first token."""
+        reqs = {r.id: r for r in self.prefilling}
+        for rid, n in chunks.items():
+            reqs[rid].prefilled += n
+        if self.draft is not None:
+            t = time.perf_counter()
+            self.draft.prefill(list(chunks), features, [reqs[rid].prefilled for rid in chunks])
+            done = [(rid, f) for rid, f in zip(chunks, first) if f >= 0]
+            if done:
+                self.draft.commit([rid for rid, _ in done], [[f] for _, f in done])
+            st.draft_s += time.perf_counter() - t
+        for rid, f, lp in zip(chunks, first, logprobs):
+            if f < 0:
+                continue
+            r = reqs[rid]
+            self.prefilling.remove(r)
+            self.running.append(r)
+            st.prefilled += 1
+            self._outs.append((r, self._advance(r, [f], lp)))
+
+    def _plan_chunks(self, budget: int) -> dict[str, int]:
+        """Prompt tokens each prefilling request feeds this step, first admitted first, within budget."""
+        chunks = {}
+        for r in self.prefilling:
+            if budget <= 0:
+                break
+            chunks[r.id] = min(len(r.context()) - r.prefilled, budget)
+            budget -= chunks[r.id]
+        return chunks
+
     def _admit(self, st: StepStats) -> None:
-        """Prefill waiting requests while the batch and the KV budget allow (FIFO, no overtaking)."""
+        """Admit waiting requests while the batch and the KV pool allow (FIFO, no overtaking); their
+        prefill starts at the cached blocks their prompts begin with and runs in chunks (`step`)."""
         new: list[Request] = []
-        while len(self.running) + len(new) < self.config.max_batch_size:
+        room = self.kv_capacity - self.reserved
+        while len(self.running) + len(self.prefilling) + len(new) < self.config.max_batch_size:
             with self._queue_lock:  # peek and pop as one: `abort` may remove entries meanwhile
-                if not self.waiting or self.reserved + self.waiting[0].reserve > self.config.max_num_tokens:
+                # a block of headroom per admitted request: its growth over the next steps
+                if not self.waiting or self.kv_tokens(self.waiting[0]) + self.config.block_size * (
+                        len(self.running) + len(self.prefilling) + len(new)) > room:
                     break
                 req = self.waiting.popleft()  # never a cancelled one: `abort` removes those under this lock
             new.append(req)
-            self.reserved += req.reserve
+            room -= self.kv_tokens(req)
         if not new:
             return
         ids = [r.id for r in new]
@@ -254,22 +331,33 @@ class Engine:
         for r in new:
             if not r.output_ids:  # first admission, not a resume
                 r.stats.queue_s = now - r.arrival
-        self.running += new  # before any worker call: a failure below must requeue these too, not strand them
-        for w in (self.target, self.draft):
-            if w is not None:
-                w.add(ids, [r.context() for r in new], [r.params for r in new])
-        t = time.perf_counter()
-        verdict = self.target.verify(ids, Proposal.empty(len(ids)))
-        first, features, logprobs = verdict.next_tokens, verdict.features, verdict.logprobs or [None] * len(ids)
-        st.verify_s += time.perf_counter() - t
+        self.prefilling += new  # before any worker call: a failure below must requeue these too, not strand them
+        cached = self.target.add(ids, [r.context() for r in new], [r.params for r in new])
         if self.draft is not None:
-            t = time.perf_counter()
-            self.draft.prefill(ids, features)
-            self.draft.commit(ids, [[f] for f in first])
-            st.draft_s += time.perf_counter() - t
-        st.prefilled = len(new)
-        self._outs += [(r, self._advance(r, [f], lp)) for r, f, lp in zip(new, first, logprobs)]
-        self._evict([r for r in new if r.finished])
+            self.draft.add(ids, [r.context() for r in new], [r.params for r in new])
+        for r, c in zip(new, cached):
+            r.prefilled = c
+            r.stats.cached_tokens += c
+        st.admitted = len(new)
+        st.prefix_queried = sum((len(r.context()) - 1) // self.config.block_size * self.config.block_size for r in new)
+        st.prefix_hits = sum(cached)
+
+    def _fit_kv(self, st: StepStats) -> None:
+        """Keep the admitted requests' KV (`reserved`) within the pool as they grow: the most recently
+        admitted go back to the head of the queue (preempted) and are prefilled again later, mostly
+        from their own cached blocks."""
+        while self.reserved > self.kv_capacity and len(self.running) + len(self.prefilling) > 1:
+            req = (self.prefilling or self.running)[-1]
+            for w in (self.target, self.draft):
+                if w is not None:
+                    w.remove([req.id])
+            (self.prefilling if req in self.prefilling else self.running).remove(req)
+            req.prefilled = 0
+            req.stats.preemptions += 1
+            st.preempted += 1
+            with self._queue_lock:
+                req.queued_at = time.perf_counter()
+                self.waiting.appendleft(req)
 
     def _advance(self, req: Request, tokens: list[int], logprobs: list | None = None) -> RequestOutput:
         """Append accepted tokens to a request, applying EOS, max_tokens, context and stop strings."""
@@ -308,20 +396,18 @@ class Engine:
         out.finished, out.finish_reason, out.error, out.stats = True, reason, error, req.stats
 
     def _evict(self, reqs: list[Request]) -> None:
-        """Remove finished requests from both workers and free their KV budget."""
+        """Remove finished requests from both workers; their KV blocks go back to the pool."""
         if not reqs:
             return
         gone = {r.id for r in reqs}
         for w in (self.target, self.draft):
             if w is not None:
                 w.remove(list(gone))
-        by_id = {r.id: r for r in self.running}
-        order, _ = compact_rows([r.id for r in self.running], gone)
-        self.running = [by_id[i] for i in order]
-        self.reserved -= sum(r.reserve for r in reqs)
+        self.running = [r for r in self.running if r.id not in gone]
+        self.prefilling = [r for r in self.prefilling if r.id not in gone]
 
     def _drop_cancelled(self) -> None:
-        gone = [r for r in self.running if r.cancelled]
+        gone = [r for r in self.running + self.prefilling if r.cancelled]
         for r in gone:
             out = RequestOutput(r.id)
             self._finish(r, out, "abort")
@@ -331,7 +417,7 @@ class Engine:
     # ---- failure and repair ------------------------------------------------------------------
     def _requeue(self, again: list[Request]) -> None:
         """Put requests back at the head of the queue, in order, to be prefilled with their context."""
-        self.running, self.reserved = [], 0
+        self.running, self.prefilling = [], []
         now = time.perf_counter()
         with self._queue_lock:
             for r in reversed(again):
@@ -342,7 +428,7 @@ class Engine:
         """After a failed step: requeue every unfinished running request for a resume, or end it
         (503-style error) once it has been resumed `max_resumes` times. Returns the final outputs."""
         outs, again = [], []
-        for r in self.running:
+        for r in self.running + self.prefilling:
             if r.finished:  # its final output is among the failed step's outputs already
                 continue
             out = RequestOutput(r.id)
@@ -376,7 +462,8 @@ class Engine:
         self._link_draft()
         for w in (self.target, self.draft):
             w.reset()
-        self._requeue(list(self.running))
+        self._setup_kv()
+        self._requeue(list(self.running + self.prefilling))
 
     def request_repair(self) -> None:
         """Check and repair the workers soon (e.g. a worker found dead while idle). Loop thread only."""
@@ -390,6 +477,7 @@ class Engine:
         for w in (self.target, self.draft):
             if w is not None:
                 w.reset()
+        self._setup_kv()
 
     def _expire_waiting(self) -> list[tuple[Request, RequestOutput]]:
         """During a repair: end new queued requests that waited longer than `recovery_wait_s`. Resumed
@@ -473,3 +561,13 @@ class Engine:
         for req, out in outs:
             if req.queue is not None:
                 req.queue.put_nowait(out)
+
+
+def split_rows(features, n: int) -> tuple:
+    """A Verdict's features as (the first n rows', the rest's): a list in process; from a worker actor,
+    already two references (its rows stay on its node until the draft's actor reads them)."""
+    if features is None:
+        return None, None
+    if isinstance(features, tuple):
+        return features
+    return features[:n], features[n:]

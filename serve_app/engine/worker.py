@@ -6,12 +6,15 @@ over its own top-N tokens); warping, sampling, the coupled sampler's noise and l
 the worker's own device (`sampling.py`):
 
   draft.propose(ids, k)                     -> Proposal: k tokens per sequence (+ sparse q when sampling)
-  target.verify(ids, proposal)              -> Verdict: accepted count and one recovered/bonus token per
-                                               sequence (+ the target's features, for drafts that read them)
+  target.verify(ids, proposal, chunks)      -> Verdict: accepted count and one recovered/bonus token per
+                                               sequence (+ the target's features, for drafts that read them);
+                                               in the same forward, prefill chunks of admitted prompts
   draft.commit(ids, new_tokens, features)   -> draft appends what was accepted, rolls back the rest
+  draft.prefill(ids, features, upto)        -> draft's KV catches up with the target's prefill chunks
 
-A sequence's `tokens` are its committed tokens (prompt + output); positions [0, kv_len) of its KV row
-hold tokens[:kv_len]; tokens[kv_len:] are pending and get fed at the start of the next forward.
+A sequence's `tokens` are its committed tokens (prompt + output); positions [0, kv_len) of its KV
+(blocks of `kv.PagedKV`) hold tokens[:kv_len]; tokens[kv_len:] are pending and get fed at the start of
+the next forward. `add` starts a sequence on the cached blocks its prompt begins with (prefix caching).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 
 from serve_app.config import SamplingParams
 from serve_app.profiling.profiles import detect_gpu_type
-from serve_app.engine.kv import SlotKVCache, causal_mask, compact_rows, ragged_inputs
+from serve_app.engine.kv import ATTENTION, PagedKV, pack
 from serve_app.engine.sampling import TOP_N, Warp, draft_choice, logprob_top, noise_key, verify_walk
 
 
@@ -82,16 +85,13 @@ class Sequence:
     extra: dict = field(default_factory=dict)
 
 
-def contiguous_rows(worker, seq_ids: list[str]) -> list:
-    """A worker's sequences for seq_ids (its `seqs` by id), which must be a contiguous run of its rows
-    (`order`) in order; shared by every draft worker so all refuse a bad call the same way."""
+def lookup(worker, seq_ids: list[str]) -> list:
+    """A worker's sequences for seq_ids (its `seqs` by id); shared by every draft worker so all refuse
+    an unknown id the same way."""
     try:
-        r0 = worker.order.index(seq_ids[0])
-    except ValueError:
-        raise KeyError(f"{worker.role}: unknown sequence {seq_ids[0]!r}") from None
-    if worker.order[r0 : r0 + len(seq_ids)] != list(seq_ids):
-        raise ValueError(f"{worker.role}: sequences must be contiguous rows in order")
-    return [worker.seqs[s] for s in seq_ids]
+        return [worker.seqs[s] for s in seq_ids]
+    except KeyError as e:
+        raise KeyError(f"{worker.role}: unknown sequence {e.args[0]!r}") from None
 
 
 class ModelWorker:
@@ -103,12 +103,16 @@ class ModelWorker:
         self.pad_id = pad_id
         self.device = next(model.parameters()).device
         impl = getattr(model.config, "_attn_implementation", "sdpa")
-        if impl not in ("sdpa", "eager"):
+        if impl not in ("sdpa", "eager", ATTENTION):
             raise ValueError(f"{role} model uses attention {impl!r}; specserve needs 'sdpa' or 'eager'")
-        self.mask_dtype = None if impl == "sdpa" else model.dtype
-        self.cache = SlotKVCache()
+        if getattr(model.config, "attn_logit_softcapping", None):
+            raise ValueError(f"{role} model soft-caps attention logits, which specserve's paged attention does not")
+        self.cache = PagedKV()
+        self.cache_prefixes = True  # as configured; `shares_prefixes` may still say no
+        self.kept: torch.Tensor | None = None  # [slots, F] bfloat16 target features beside the KV (EAGLE drafts)
+        self._slots: torch.Tensor | None = None  # pool slots of the last forward's packed tokens
         self.seqs: dict[str, Sequence] = {}
-        self.order: list[str] = []  # order[row] = sequence id
+        self.order: list[str] = []  # sequence ids in the order they were added
         self.feature_layers: list[int] = []  # target: residual-stream inputs of these layers are captured
         self._captured: dict[int, torch.Tensor] = {}  # layer id -> [B, T, H] of the current forward
         self.top_n = TOP_N
@@ -123,40 +127,60 @@ class ModelWorker:
         return out
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def add(self, seq_ids: list[str], prompts: list[list[int]], params: list[SamplingParams]) -> None:
-        """Register new sequences in the rows after the running ones (no forward yet)."""
+    def configure_kv(self, block_size: int = 16, max_blocks: int = 4096, prefix_caching: bool = True) -> None:
+        """Set the KV pool's block size, its limit in blocks and prefix caching (before any sequence)."""
+        if self.seqs:
+            raise RuntimeError(f"{self.role}: configure the KV cache before adding sequences")
+        self.cache = PagedKV(block_size, max_blocks, prefix_caching and self.shares_prefixes())
+        self.cache_prefixes = prefix_caching
+        self.kept = None
+
+    def shares_prefixes(self) -> bool:
+        """Whether this worker may take cached blocks for a new prompt. A target that hands its features to
+        an EAGLE-style draft keeps them beside its KV (`kept`) and hands over those of cached positions."""
+        return True
+
+    def add(self, seq_ids: list[str], prompts: list[list[int]], params: list[SamplingParams]) -> list[int]:
+        """Register new sequences (no forward yet); each starts on the cached blocks its prompt begins
+        with. Returns per sequence the prompt tokens those blocks hold (its prefill starts there)."""
+        cached = []
         for sid, prompt, p in zip(seq_ids, prompts, params):
             if sid in self.seqs:
                 raise ValueError(f"sequence {sid!r} already exists")
             gen = torch.Generator().manual_seed(_role_seed(p.seed, self.role))
             self.seqs[sid] = Sequence(tokens=list(prompt), params=p, generator=gen)
             self.order.append(sid)
+            self.seqs[sid].kv_len = self.cache.match_prefix(sid, list(prompt))
+            cached.append(self.seqs[sid].kv_len)
+            if self.feature_layers and cached[-1]:  # the draft needs these positions' features too
+                self.seqs[sid].extra["kept_features"] = cached[-1]
+        return cached
 
-    @torch.inference_mode()
     def remove(self, seq_ids: list[str]) -> None:
-        """Drop finished sequences and compact rows (the engine mirrors this with compact_rows)."""
+        """Drop finished sequences; their blocks go back to the pool (named ones stay cached)."""
         gone = set(seq_ids) & set(self.seqs)
-        new_order, moves = compact_rows(self.order, gone)
-        rows = list(self.order)  # who sits in each row as the moves apply
-        for src, dst in moves:
-            rows[dst] = rows[src]
-            self.cache.move_row(src, dst, self.seqs[rows[src]].kv_len)
         for sid in gone:
             del self.seqs[sid]
-        self.order = new_order
+            self.cache.release(sid)
+        self.order = [s for s in self.order if s not in gone]
 
     def reset(self) -> None:
         """Drop every sequence (after a failed step: the engine prefills the survivors again)."""
         self.remove(list(self.order))
 
     @torch.inference_mode()
-    def prefill(self, seq_ids: list[str], features: list[torch.Tensor] | None = None) -> None:
-        """Feed every pending token so the KV catches up (draft: prompts of new sequences). A draft
-        that reads no target features ignores them."""
+    def prefill(self, seq_ids: list[str], features: list[torch.Tensor] | None = None,
+                upto: list[int] | None = None) -> None:
+        """Feed pending tokens so the KV catches up (draft: the prompts the target is prefilling), every
+        one or through position upto[b]. A draft that reads no target features ignores them."""
         seqs = self._rows(seq_ids)
-        self._forward(seq_ids, [s.tokens[s.kv_len :] for s in seqs], keep=1)
-        for s in seqs:
-            s.kv_len = len(s.tokens)
+        ends = [len(s.tokens) if upto is None else min(u, len(s.tokens)) for s, u in zip(seqs, upto or seqs)]
+        fed = [s.tokens[s.kv_len : e] for s, e in zip(seqs, ends)]
+        if any(fed):
+            self._forward(seq_ids, fed, 1)
+        for sid, s, e in zip(seq_ids, seqs, ends):
+            s.kv_len = max(s.kv_len, e)
+            self.cache.commit(sid, s.tokens, s.kv_len)
 
     # ---- draft side --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -171,7 +195,7 @@ class ModelWorker:
         window = min(max(len(f) for f in fed), max(2, 256 // len(seqs)), 32)
         draw = self._drawer(seqs)
         for j in range(k):
-            logits = self._forward(seq_ids, fed, keep=window if j == 0 else 1,
+            logits = self._forward(seq_ids, fed, window if j == 0 else 1,
                                    starts=[n + j - len(f) for n, f in zip(lens, fed)])
             if j == 0:
                 backlog = self._timed(_backlog_agreement, seqs, fed, logits)
@@ -195,26 +219,73 @@ class ModelWorker:
                 s.kv_len = min(s.proposal_kv, committed + len(new) - 1)
                 s.proposal_kv = -1
             s.tokens.extend(new)
+            self.cache.trim(sid, s.kv_len)
+            self.cache.commit(sid, s.tokens, s.kv_len)
 
     # ---- target side -------------------------------------------------------------------------
     @torch.inference_mode()
-    def verify(self, seq_ids: list[str], proposal: Proposal) -> Verdict:
+    def verify(self, seq_ids: list[str], proposal: Proposal, chunks: dict[str, int] | None = None) -> Verdict:
         """Score pending + k draft tokens of every sequence in ONE forward; accept; commit.
 
-        Returns a Verdict per sequence. With k = 0 this is one plain decoding step (and, for a new
-        sequence, its prefill: the pending tokens are the whole prompt).
+        With k = 0 this is one plain decoding step. chunks {id: n}: prompts being prefilled feed their
+        next n tokens in the same forward; one that reaches its prompt's end gets its first token. The
+        Verdict lists seq_ids, then the chunk rows (next token -1 for a chunk that did not finish).
         """
-        seqs = self._rows(seq_ids)
+        chunks = chunks or {}
+        seqs, cseqs = self._rows(seq_ids), self._rows(list(chunks))
         drafts = proposal.tokens.tolist()
         k = proposal.tokens.shape[1]
         lens = [len(s.tokens) for s in seqs]
         fed = [s.tokens[s.kv_len :] + d for s, d in zip(seqs, drafts)]
-        if self.head is not None:  # logits on demand: most rows stop at their first rejection
-            logits = LazyLogits(self.head, self._forward(seq_ids, fed, keep=k + 1, hidden=True), self._sync)
-        else:
-            logits = self._forward(seq_ids, fed, keep=k + 1)
+        cfed = [s.tokens[s.kv_len : s.kv_len + n] for s, n in zip(cseqs, chunks.values())]
+        done = [b for b, (s, f) in enumerate(zip(cseqs, cfed)) if s.kv_len + len(f) == len(s.tokens)]
+        index, cindex = self._last(fed + cfed, k + 1)[: len(seqs)], self._last(fed + cfed, 1)[len(seqs):][done]
+        out = self._forward(seq_ids + list(chunks), fed + cfed, torch.cat([index.flatten(), cindex.flatten()]),
+                            hidden=self.head is not None)
+        out, cout = out[: index.numel()].unflatten(0, index.shape), out[index.numel():][:, None]
+        # logits [B, k+1, V] on demand: most rows stop at their first rejection
+        logits = LazyLogits(self.head, out, self._sync) if self.head is not None else out
+        clogits = LazyLogits(self.head, cout, self._sync) if self.head is not None else cout
         t0 = time.perf_counter()
+        num_acc, next_tok = self._decide(seqs, lens, logits, proposal)
+        done_seqs = [cseqs[b] for b in done]
+        first = self._decide(done_seqs, [len(s.tokens) for s in done_seqs], clogits, Proposal.empty(len(done)))[1]
+        pending = [len(s.tokens) - s.kv_len for s in seqs]  # fed before the drafts; all now final
+        for sid, s, n_b, d, t, length in zip(seq_ids, seqs, num_acc, drafts, next_tok, lens):
+            s.tokens.extend(d[:n_b] + [t])
+            s.kv_len = length + n_b  # KV through the last accepted draft; t is pending
+        cnext = [-1] * len(cseqs)
+        for b, t in zip(done, first):
+            cnext[b] = t
+        for s, f in zip(cseqs, cfed):
+            s.kv_len += len(f)
+        for b in done:
+            cseqs[b].tokens.append(cnext[b])
+        for sid, s in zip(seq_ids + list(chunks), seqs + cseqs):
+            self.cache.trim(sid, s.kv_len)
+            self.cache.commit(sid, s.tokens, s.kv_len)
+        features = None
+        if self.feature_layers:
+            features = self._features(seq_ids + list(chunks), [len(f) for f in fed + cfed], pending + [len(f) for f in cfed],
+                                      num_acc + [0] * len(cseqs))
+        logprobs = _logprobs(seqs, logits, drafts, num_acc, next_tok)
+        clp = _logprobs(done_seqs, clogits, [[] for _ in done], [0] * len(done), first)
+        if logprobs is not None or clp is not None:
+            logprobs = (logprobs or [None] * len(seqs)) + [None] * len(cseqs)
+            for i, b in enumerate(done):
+                logprobs[len(seqs) + b] = clp[i] if clp is not None else None
+        self._sync()
+        head_s = sum(x.seconds for x in (logits, clogits) if isinstance(x, LazyLogits))
+        self.timings["forward_s"] += head_s  # the output projection is the model's work
+        self.timings["sample_s"] += time.perf_counter() - t0 - head_s
+        return Verdict(num_acc + [0] * len(cseqs), next_tok + cnext, features, logprobs)
+
+    def _decide(self, seqs: list[Sequence], lens: list[int], logits, proposal: Proposal) -> tuple[list, list]:
+        """Acceptance for rows whose logits [B, k+1, V] scored `proposal`: (accepted counts, next tokens)."""
+        if not seqs:
+            return [], []
         dev = self.device
+        k = proposal.tokens.shape[1]
         bsz = len(seqs)
         greedy = torch.tensor([s.params.greedy for s in seqs], device=dev)
         seeded = torch.tensor([_coupled(s) for s in seqs], device=dev)
@@ -240,18 +311,7 @@ class ModelWorker:
         with denormals_flushed(self.flush_denormals):
             num_acc, next_tok = verify_walk(logits, proposal.tokens.to(dev), greedy, keys, seeded,
                                             Warp.of([s.params for s in seqs], dev), q_values, q_ids, u)
-        num_acc, next_tok = num_acc.tolist(), next_tok.tolist()
-        pending = [len(s.tokens) - s.kv_len for s in seqs]  # fed before the drafts; all now final
-        for s, n_b, d, t, length in zip(seqs, num_acc, drafts, next_tok, lens):
-            s.tokens.extend(d[:n_b] + [t])
-            s.kv_len = length + n_b  # KV through the last accepted draft; t is pending
-        features = self._features(pending, num_acc, k) if self.feature_layers else None
-        logprobs = _logprobs(seqs, logits, drafts, num_acc, next_tok)
-        self._sync()
-        head_s = logits.seconds if isinstance(logits, LazyLogits) else 0.0
-        self.timings["forward_s"] += head_s  # the output projection is the model's work
-        self.timings["sample_s"] += time.perf_counter() - t0 - head_s
-        return Verdict(num_acc, next_tok, features, logprobs)
+        return num_acc.tolist(), next_tok.tolist()
 
     # ---- target features (for drafts that read them, EAGLE-style) -----------------------------
     def capture_features(self, layers: list[int]) -> None:
@@ -275,17 +335,40 @@ class ModelWorker:
             (decoder.layers[i] if i < n else decoder.norm).register_forward_pre_hook(hook(i), with_kwargs=True)
         self.feature_layers = list(layers)
 
-    def _features(self, pending: list[int], accepted: list[int], k: int) -> list[torch.Tensor]:
-        """Per row, the captured features of the positions this forward made final: its pending
-        tokens and its accepted drafts. Rows are left-padded, so row b's fed tokens are its last
-        pending[b] + k columns. Layers of a model split over devices are gathered on the first one's."""
+    def _features(self, ids: list[str], fed: list[int], final: list[int], accepted: list[int]) -> list[torch.Tensor]:
+        """Per row, the captured features of the positions this forward made final: the first final[b]
+        + accepted[b] of its fed[b] packed tokens (pending tokens, then accepted drafts); for a prompt that
+        started on cached blocks, first those positions' features, kept beside the KV when they were
+        computed. Layers of a model split over devices are gathered on the first one's."""
         grabbed = [self._captured.pop(i) for i in self.feature_layers]
-        h = torch.cat([g.to(grabbed[0].device) for g in grabbed], dim=-1)  # [B, T, F]
-        width = h.shape[1]
-        keep = torch.cat([torch.arange(b * width + width - p - k, b * width + width - k + n, device=h.device)
-                          for b, (p, n) in enumerate(zip(pending, accepted))])
-        rows = h.reshape(-1, h.shape[-1])[keep].to(torch.bfloat16).cpu()  # one copy off the device
-        return list(rows.split([p + n for p, n in zip(pending, accepted)]))
+        h = torch.cat([g.to(grabbed[0].device) for g in grabbed], dim=-1)[0].to(torch.bfloat16)  # [T, F]
+        self._keep_features(h)
+        starts = [sum(fed[:b]) for b in range(len(fed))]
+        keep = torch.cat([torch.arange(o, o + p + n) for o, p, n in zip(starts, final, accepted)]).to(h.device)
+        rows = list(h[keep].cpu().split([p + n for p, n in zip(final, accepted)]))  # one copy off the device
+        for b, sid in enumerate(ids):
+            cached = self.seqs[sid].extra.pop("kept_features", 0)
+            if cached:
+                slots = self._slots_of(sid, cached).to(self.kept.device)
+                rows[b] = torch.cat([self.kept[slots].cpu(), rows[b]])
+        return rows
+
+    def _keep_features(self, h: torch.Tensor) -> None:  # h [T, F]: this forward's features, packed
+        """Write every fed position's features beside its KV slot, so a later prompt that takes these blocks
+        from the prefix cache can hand them to the draft (like KV, a rejected draft's are overwritten)."""
+        size = self.cache.num_blocks * self.cache.block_size
+        if self.kept is None or self.kept.shape[0] < size:
+            grown = h.new_zeros((size, h.shape[1]))
+            if self.kept is not None:
+                grown[: self.kept.shape[0]] = self.kept
+            self.kept = grown
+        self.kept.index_copy_(0, self._slots.to(h.device), h)
+
+    def _slots_of(self, sid: str, n: int) -> torch.Tensor:
+        """Pool slots of positions [0, n) of a sequence."""
+        bs, table = self.cache.block_size, torch.tensor(self.cache.tables[sid], dtype=torch.long)
+        p = torch.arange(n)
+        return table[p // bs] * bs + p % bs
 
     def info(self) -> dict:
         """What the engine needs to know about this model without holding it."""
@@ -304,27 +387,45 @@ class ModelWorker:
 
     # ---- internals -------------------------------------------------------------------------
     def _rows(self, seq_ids: list[str]) -> list[Sequence]:
-        return contiguous_rows(self, seq_ids)
+        return lookup(self, seq_ids)
 
-    def _forward(
-        self, seq_ids: list[str], fed: list[list[int]], keep: int, starts: list[int] | None = None, hidden: bool = False
-    ) -> torch.Tensor:  # logits [B, keep, V] (hidden: last hidden states [B, keep, H]) for the last `keep` fed tokens
+    @staticmethod
+    def _last(fed: list[list[int]], keep: int) -> torch.Tensor:
+        """[B, keep] indices into a packed forward's tokens: each row's last `keep` fed tokens (a row
+        with fewer repeats its first one on the left, like left padding)."""
+        lens = torch.tensor([len(f) for f in fed], dtype=torch.long)
+        offsets = torch.cumsum(lens, 0) - lens
+        col = torch.arange(keep)
+        return offsets[:, None] + torch.clamp(lens[:, None] - keep + col, min=0)
+
+    def _forward(self, seq_ids: list[str], fed: list[list[int]], index: torch.Tensor | int,
+                 starts: list[int] | None = None, hidden: bool = False) -> torch.Tensor:
+        """One packed forward of every row's fed tokens (row b at positions starts[b], ... ; default its
+        kv_len). index: which packed tokens' outputs to return ([N], or int keep: each row's last keep,
+        shaped [B, keep, ...]); logits [N, V], or with hidden the last hidden states [N, H]."""
         seqs = [self.seqs[s] for s in seq_ids]
         if starts is None:
             starts = [s.kv_len for s in seqs]
+        shape = None
+        if isinstance(index, int):
+            index = self._last(fed, index)
+            shape = index.shape
+            index = index.flatten()
         t0 = time.perf_counter()
-        ids, pos = ragged_inputs(fed, starts, self.pad_id)
-        ids, pos = ids.to(self.device), pos.to(self.device)
-        self.cache.prepare(self.order.index(seq_ids[0]), pos)
-        mask = causal_mask(pos, self.cache._kv_max, self.mask_dtype)
-        args = dict(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=self.cache, use_cache=True)
-        if hidden:
-            out = self.model.model(**args).last_hidden_state[:, -keep:]
-        else:
-            out = self.model(**args, logits_to_keep=keep).logits
+        ids, pos, batch = pack(self.cache, seq_ids, fed, starts, self.device)
+        index = index.to(self.device)
+        self.cache.batch, self._slots = batch, batch.slots
+        args = dict(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True,
+                    specserve_batch=batch)
+        with paged_attention(self.model):
+            if hidden:
+                out = self.model.model(**args).last_hidden_state[0, index]
+            else:
+                out = self.model(**args, logits_to_keep=index).logits[0]
+        self.cache.batch = None
         self._sync()
         self.timings["forward_s"] += time.perf_counter() - t0
-        return out
+        return out if shape is None else out.unflatten(0, shape)
 
     def _sync(self) -> None:
         """Wait for the device, so timings measure work done, not work queued."""
@@ -456,6 +557,27 @@ def _coupled(s: Sequence) -> bool:
 def _sampled(s: Sequence) -> bool:
     """Unseeded sampled requests: rejection sampling with uniforms from the sequence's generator."""
     return not s.params.greedy and s.params.seed is None
+
+
+@contextlib.contextmanager
+def paged_attention(model):
+    """Run the model's attention as `kv.paged_attention` for one forward, then as it was (the same model
+    object may serve plain forwards too, e.g. a reference `generate`). Every config object its modules
+    hold is switched: a draft built from copied layers carries one per layer."""
+    configs = getattr(model, "_specserve_configs", None)
+    if configs is None:
+        found = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+                 and hasattr(c, "_attn_implementation")}
+        configs = list(found.values())
+        object.__setattr__(model, "_specserve_configs", configs)  # not a submodule or parameter
+    before = [c._attn_implementation for c in configs]
+    for c in configs:
+        c._attn_implementation = ATTENTION
+    try:
+        yield
+    finally:
+        for c, b in zip(configs, before):
+            c._attn_implementation = b
 
 
 @contextlib.contextmanager
