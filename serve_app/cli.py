@@ -1,4 +1,4 @@
-"""`specserve` command line: generate, serve, drain, profile, profiles push, distill, bench (engine, acceptance, http, policies, step), selfcheck, chaos, simulate.
+"""`specserve` command line: generate, serve, drain, profile, profiles push, distill, bench (engine, acceptance, http, policies, step, batching), selfcheck, chaos, simulate.
 
 Exit codes: 0 all requests succeeded; 1 some requests failed (each reported with its line number,
 the others finished); 2 bad arguments or an unusable file/model (nothing was generated).
@@ -120,6 +120,56 @@ def _parser() -> argparse.ArgumentParser:
                     help="writes OUT.json, OUT.md and OUT.png (default results/bench-step-<hardware type>)")
     bs.set_defaults(func=_cmd_bench_step)
 
+    from serve_app.bench.batching import QUICK, BatchingBench
+
+    full = {name: f.default for name, f in BatchingBench.model_fields.items()}
+    csv = lambda xs: ",".join(str(x) for x in xs)
+    bb = bsub.add_parser("batching", help="continuous batching at scale: a long prompt arriving while streams decode "
+                                          "(A), a shared system prompt (B), through `specserve serve`; the per-step "
+                                          "token budget's TTFT / stall curve in process (C)")
+    _model_args(bb)
+    bb.add_argument("--scenarios", default=csv(full["scenarios"]), help="comma-separated subset of A, B, C")
+    bb.add_argument("--quick", action="store_true",
+                    help=f"smoke run: {', '.join(f'{k} {csv(v) if isinstance(v, list) else v}' for k, v in QUICK.items())} "
+                         "(the flags below override it)")
+    bb.add_argument("--policy", default=full["policy"], help="none | fixed:K | lut | adaptive (services and engines)")
+    bb.add_argument("--profile", default=None, help="C with lut / adaptive: profile (default profiles/<hardware type>.json)")
+    bb.add_argument("--batch-size", type=int, default=None,
+                    help=f"max batch size of services and engines, at least --streams + 1 (default {full['batch_size']})")
+    bb.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help=f"A, B: the services' per-step token budget (default {full['max_num_batched_tokens']})")
+    bb.add_argument("--streams", type=int, default=None,
+                    help=f"A, C: streams decoding when the long prompt arrives (default {full['streams']})")
+    bb.add_argument("--long-tokens", type=int, default=None,
+                    help=f"A, C: tokens of the long prompt (default {full['long_tokens']})")
+    bb.add_argument("--baseline-s", type=float, default=None,
+                    help=f"A: seconds of decoding timed before it arrives (default {full['baseline_s']:g})")
+    bb.add_argument("--system-tokens", type=int, default=None,
+                    help=f"B: tokens of the shared system prompt (default {full['system_tokens']})")
+    bb.add_argument("--requests", type=int, default=None,
+                    help=f"B: requests sharing it, one after another (default {full['requests']})")
+    bb.add_argument("--max-tokens", type=int, default=None, help=f"B: tokens per answer (default {full['max_tokens']})")
+    bb.add_argument("--budgets", default=None,
+                    help=f"C: comma-separated per-step token budgets (default {csv(full['budgets'])})")
+    bb.add_argument("--rounds", type=int, default=None,
+                    help=f"C: rounds over the budgets, order rotated; medians (default {full['rounds']})")
+    bb.add_argument("--max-wait-s", type=float, default=None,
+                    help=f"A, C: give up on the long prompt's first token after this long (default {full['max_wait_s']:g})")
+    bb.add_argument("--port", type=int, default=None, help="the services' HTTP port (default: a free one)")
+    bb.add_argument("--out", default=None,
+                    help="writes OUT.json, OUT.md, OUT.png (C's curve) and OUT-a.png (A's gaps) "
+                         "(default results/bench-batching-<hardware type>)")
+    bb.set_defaults(func=_cmd_bench_batching)
+
+    bk = bsub.add_parser("kv-memory", help="KV bytes allocated vs the bytes of the tokens held: 1 request of 1,800 "
+                                            "tokens beside 31 of 100-300, after prefill (the paged pool vs rows)")
+    bk.add_argument("--target", default="embedded", help="the model whose pair runs (default: the embedded pair)")
+    bk.add_argument("--shapes", default="llama-3.1-8b", help="comma-separated real shapes (bench/shapes.py) run as random "
+                                                          "models with --layers layers, bfloat16; empty: none")
+    bk.add_argument("--layers", type=int, default=2)
+    bk.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/kv-memory-<hardware type>)")
+    bk.set_defaults(func=_cmd_bench_kv_memory)
+
     bw = bsub.add_parser("proposal-width", help="a sampled row's top-N draft proposal: exact acceptance against the "
                                                  "full distribution; the coupled sampler's noise against iid Gumbel")
     bw.add_argument("--prompts", type=int, default=16)
@@ -184,6 +234,7 @@ def _parser() -> argparse.ArgumentParser:
     _model_args(s)
     s.add_argument("--policy", default="adaptive", help="none | fixed:K | lut | adaptive")
     s.add_argument("--batch-size", type=int, default=8)
+    _batching_args(s)
     s.add_argument("--max-queue", type=int, default=64)
     s.add_argument("--profiles-dir", default="profiles")
     s.add_argument("--host", default="127.0.0.1")
@@ -291,6 +342,27 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto",
                    help="auto (bfloat16 where the hardware has it natively, else float32), float32, bfloat16, float16")
     p.add_argument("--device", default="cpu")
+
+
+def _batching_args(p: argparse.ArgumentParser) -> None:
+    """The KV pool and the per-step token budget; defaults are EngineConfig's (see its field docs)."""
+    field = EngineConfig.model_fields
+    p.add_argument("--max-num-batched-tokens", type=int, default=field["max_num_batched_tokens"].default,
+                   help="per-step token budget: decoding rows feed k + 1 tokens each, prefill chunks take the rest "
+                        "(smaller: running streams stall less while a long prompt prefills; larger: long prompts "
+                        "reach their first token sooner); at least --batch-size (default %(default)s)")
+    p.add_argument("--max-num-tokens", type=int, default=field["max_num_tokens"].default,
+                   help="KV pool size in tokens per worker (default %(default)s)")
+    p.add_argument("--block-size", type=int, default=field["block_size"].default,
+                   help="tokens per KV block, the unit of allocation and of prefix caching (default %(default)s)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="compute every prompt in full (default: share the KV of identical prompt prefixes)")
+
+
+def _batching_config(args) -> dict:
+    """EngineConfig fields from the flags `_batching_args` adds."""
+    return {"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_tokens": args.max_num_tokens,
+            "block_size": args.block_size, "prefix_caching": args.prefix_caching}
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -484,6 +556,51 @@ def _cmd_bench_step(args) -> int:
     return 0
 
 
+def _cmd_bench_batching(args) -> int:
+    from serve_app.bench.batching import BatchingBench, bench_batching, plot_curve
+    from serve_app.bench.rounds import default_stem, write_results
+    from serve_app.engine.policy import make_policy, needs_profile
+
+    given = {"scenarios": args.scenarios.split(","), "policy": args.policy, "batch_size": args.batch_size,
+             "max_num_batched_tokens": args.max_num_batched_tokens, "streams": args.streams,
+             "long_tokens": args.long_tokens, "baseline_s": args.baseline_s, "system_tokens": args.system_tokens,
+             "requests": args.requests, "max_tokens": args.max_tokens, "rounds": args.rounds,
+             "max_wait_s": args.max_wait_s, "port": args.port,
+             "budgets": int_list(args.budgets, "--budgets") if args.budgets else None}
+    given = {k: v for k, v in given.items() if v is not None}
+    try:
+        cfg = BatchingBench.quick(**given) if args.quick else BatchingBench(**given)
+        mc = _bench_model(args)
+        if not needs_profile(cfg.policy):
+            make_policy(cfg.policy)  # an unknown policy fails before anything starts
+    except ValidationError as e:
+        raise UsageError(_first_error(e)) from None
+    profile = find_profile(args.profile, mc) if "C" in cfg.scenarios and needs_profile(cfg.policy) else None
+    stem = str(args.out or default_stem("bench-batching"))
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
+    results, markdown = bench_batching(mc, cfg, profile, stem)
+    png = None
+    if "C" in results:
+        png = plot_curve(results["C"]["rows"], f"{stem}.png", f"C: {cfg.streams} streams decoding, a "
+                         f"{results['C']['long_prompt_tokens']}-token prompt arrives; points: per-step token budget")
+    print("\n" + markdown)
+    json_path, md_path = write_results(stem, results, markdown)
+    plots = [p for p in (png, results.get("A", {}).get("plot")) if p]
+    print(f"results: {json_path}, {md_path}" + "".join(f", {p}" for p in plots))
+    return 0
+
+
+def _cmd_bench_kv_memory(args) -> int:
+    from serve_app.bench.kvmem import kv_memory, markdown, write
+    from serve_app.profiling.profiles import detect_gpu_type
+
+    results = [kv_memory(args.target)]
+    results += [kv_memory(shape=s.strip(), layers=args.layers) for s in args.shapes.split(",") if s.strip()]
+    print(markdown(results))
+    print("results:", ", ".join(write(results, args.out or f"results/kv-memory-{detect_gpu_type()}")))
+    return 0
+
+
 def _cmd_bench_proposal_width(args) -> int:
     from serve_app.bench.proposal_width import run
 
@@ -512,7 +629,7 @@ def _app_config(args) -> dict:
             raise UsageError(f"cannot read Serve config {args.config}: {e}") from None
     return {
         "model": {"target": args.target, "draft": args.draft, "dtype": args.dtype, "device": args.device},
-        "engine": {"policy": args.policy, "max_batch_size": args.batch_size},
+        "engine": {"policy": args.policy, "max_batch_size": args.batch_size, **_batching_config(args)},
         "max_queue": args.max_queue,
         "profiles_dir": args.profiles_dir,
         "drain_timeout_s": args.drain_timeout,

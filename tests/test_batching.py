@@ -139,3 +139,16 @@ def test_kv_blocks_held_match_tokens_at_scale_shapes():
     tokens = sum(lens)
     assert tokens * per_token <= held_bytes <= (tokens + 32 * 15) * per_token
     assert w.cache.nbytes() <= 1.25 * tokens * per_token
+
+
+def test_kv_memory_bench_reports_memory_following_tokens(tiny_target):
+    from serve_app.bench.kvmem import markdown, run_kv_memory
+
+    engine, _ = engine_for(tiny_target, None, "none", max_batch_size=6, block_size=16, max_num_tokens=4096, max_model_len=1024,
+                           max_num_batched_tokens=64)
+    out = run_kv_memory(engine, [600, 150, 200, 250, 180, 220], 97, decode_steps=2)
+    m = out["target"]
+    assert m["sequences"] == 6 and m["tokens_held"] >= 1600
+    assert m["token_bytes"] <= m["held_block_bytes"] <= m["partial_block_bound_bytes"]
+    assert m["allocated_over_tokens"] <= 1.25 < m["before_over_tokens"]
+    assert "| target |" in markdown([{**out, "model": "tiny"}])

@@ -235,7 +235,10 @@ class Engine:
         k = 0
         if self.running:
             k = self.policy.choose(BatchState(len(self.running), self.config.max_k, self.draft is not None))
-            k = max(0, min(k, budget // len(self.running) - 1))  # the step's tokens stay within the budget
+            # the step's tokens stay within the budget, keeping a block's worth for prompts being prefilled
+            # (never less than k = 0 leaves: admission keeps running + prefilling <= max_batch_size <= budget)
+            keep = min(self.config.block_size, budget - len(self.running)) if self.prefilling else 0
+            k = max(0, min(k, (budget - keep) // len(self.running) - 1))
         chunks = self._plan_chunks(budget - len(self.running) * (k + 1))
         if self.running or chunks:
             ids = [r.id for r in self.running]
