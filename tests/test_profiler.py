@@ -7,6 +7,7 @@ import random
 import pytest
 
 from serve_app.cli import main
+from serve_app.config import EngineConfig
 from serve_app.profiling.profiles import load_profile
 
 
@@ -51,9 +52,8 @@ def test_latency_visits_every_k_per_round_in_a_shuffled_order_two_steps_each(tin
     monkeypatch.setattr(profiler, "FixedK", record)
     models = load_models(ModelConfig(target=tiny_model_dirs["target"], draft=tiny_model_dirs["draft"]))
     grid = profiler.measure_latency(models, [2], [0, 1, 2, 3], reps=4, bar=profiler.tqdm(disable=True))
-    assert chosen[0] == 0  # the engine's own policy
-    assert chosen[-3:] == [0, 0, 0]  # the prefill measurement's engines (k = 0)
-    per_round = [chosen[1:-3][i:i + 5] for i in range(0, len(chosen) - 4, 5)]
+    assert chosen[0] == 0 and chosen[-1] == 0  # the engines' own policies (the grid's; the chunk price's, at k = 0)
+    per_round = [chosen[1:-1][i:i + 5] for i in range(0, len(chosen) - 2, 5)]
     assert len(per_round) == 5 and all(r[0] == 0 for r in per_round)  # warm-up + 4 recorded; each prefills fresh requests at k = 0
     rounds = [r[1:] for r in per_round]
     assert all(sorted(r) == [0, 1, 2, 3] for r in rounds)  # every k once per round
@@ -61,8 +61,42 @@ def test_latency_visits_every_k_per_round_in_a_shuffled_order_two_steps_each(tin
     assert any(r[0] != 0 for r in rounds)  # k = 1 does not always follow k = 0
     assert grid.resume_ms is not None and len(grid.resume_ms) == 1 and grid.resume_ms[0] >= 0
     assert grid.context_tokens is not None and grid.context_tokens < 60  # fresh requests each round: short contexts
-    assert grid.prefill_ms is not None and len(grid.prefill_ms) == 1 and grid.prefill_ms[0] >= 0
-    assert grid.prefill_tokens and grid.prefill_at(2, 2 * grid.prefill_tokens) == pytest.approx(grid.prefill_ms[0])
+    # the chunked prefill's price at the engine's step budget: a fixed part per step and a part per token
+    assert grid.chunk_budget == EngineConfig().max_num_batched_tokens and 0 < grid.chunk_prompt_tokens < 60
+    for name in ("chunk_step_ms", "chunk_ms_per_token", "chunk_draft_step_ms", "chunk_draft_ms_per_token"):
+        assert len(getattr(grid, name)) == 1 and getattr(grid, name)[0] >= 0
+    assert grid.chunk_ms(2, 10) == pytest.approx(grid.chunk_step_ms[0] + 10 * grid.chunk_ms_per_token[0])
+    assert grid.prefill_ms is None  # admission no longer prefills: nothing to time there
+
+
+def test_chunk_price_times_steps_that_prefill_beside_the_decoding_batch(tiny_model_dirs, monkeypatch):
+    """Beside 2 sequences decoding at k = 0, a chat-length prompt and one of a whole chunk (the budget less
+    the 2 decoding rows) each prefill in one step, the batch decoding in it too; the price is fitted
+    to their extra time over plain steps."""
+    from serve_app.profiling import profiler
+    from serve_app.config import ModelConfig
+    from serve_app.models import load_models
+    from serve_app.bench.prompt_sets import PROFILE_PROMPTS, chat_prompts
+
+    engines, seen = [], []
+    make = profiler._engine
+
+    def recorded(*args, **kw):
+        engines.append(make(*args, **kw))
+        engines[-1].on_step.append(seen.append)
+        return engines[-1]
+
+    monkeypatch.setattr(profiler, "_engine", recorded)
+    models = load_models(ModelConfig(target=tiny_model_dirs["target"], draft=tiny_model_dirs["draft"]))
+    prompts = chat_prompts(models.tokenizer, PROFILE_PROMPTS, 2)
+    *price, short = profiler.measure_chunk_prefill(models, prompts, 2, reps=1, max_model_len=256, budget=32)
+    assert short == round(sum(len(p) for p in prompts) / 2) and all(v >= 0 for v in price)
+    assert price[2] <= price[0] and price[3] <= price[1]  # the draft's parts
+    [engine] = engines
+    assert engine.config.max_num_batched_tokens == 32 and not engine.config.prefix_caching
+    chunked = [(st.k, st.prefill_tokens) for st in seen if st.prefill_tokens and st.batch_size == 2]
+    assert chunked == [(0, short), (0, 30)] * 3  # 3 repetitions, the whole batch decoding beside each
+    assert all(st.scheduled_tokens <= 32 for st in seen)
 
 
 def speculating_profile(tiny_profile, path, **changes):

@@ -110,3 +110,26 @@ def test_committed_profiles_are_usable_for_the_embedded_pair():
         for spec in ("lut", "adaptive"):
             k = make_policy(spec, p).choose(BatchState(batch_size=3, max_k=8))
             assert 0 <= k <= 8
+
+
+def test_chunked_prefill_price_and_old_profiles_fallback(tmp_path):
+    """New profiles price a step's prefill chunks as a fixed part + a part per prompt token beside a
+    decoding batch; profiles from before chunked prefill (prefill_ms per admission) still load, and
+    their per-token price stands in."""
+    chunk = {"chunk_step_ms": [2.0, 4.0], "chunk_ms_per_token": [0.5, 0.25], "chunk_draft_step_ms": [1.0, 1.0],
+             "chunk_draft_ms_per_token": [0.1, 0.05], "chunk_budget": 256, "chunk_prompt_tokens": 40}
+    p = Profile.model_validate(measured(grid=chunk))
+    save_profile(p, tmp_path / "new.json")
+    g = load_profile(tmp_path / "new.json").latency
+    assert g.chunk_ms(1, 100) == pytest.approx(52.0) and g.chunk_ms(8, 100) == pytest.approx(29.0)
+    assert g.chunk_ms(1, 100, draft=False) == pytest.approx(41.0)  # without a draft: less the draft's part
+    assert g.chunk_ms(1, 0) == 0.0
+    old = LatencyGrid.model_validate(measured(grid={"prefill_ms": [40.0, 160.0], "prefill_tokens": 4})["latency"])
+    assert old.chunk_ms(1, 8) == pytest.approx(80.0) and old.chunk_ms(8, 8) == old.prefill_at(8, 8)
+    assert LatencyGrid.model_validate(measured()["latency"]).chunk_ms(1, 8) is None  # neither measured
+    for bad, message in (({**chunk, "chunk_ms_per_token": [0.5]}, "chunk_ms_per_token needs one value >= 0 per batch"),
+                         ({"chunk_step_ms": [1.0, 1.0]}, "chunk_ms_per_token is missing"),
+                         ({**chunk, "chunk_draft_step_ms": None}, "come together")):
+        (tmp_path / "bad.json").write_text(json.dumps(measured(grid=bad)))
+        with pytest.raises(ValueError, match=message):
+            load_profile(tmp_path / "bad.json")

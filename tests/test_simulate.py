@@ -23,22 +23,81 @@ def grid_profile(gpu="toy", acceptance=(1.0,)):
 
 
 def test_one_replica_reproduces_hand_computed_latencies():
-    # prefill (10 ms, first token) + a k = 1 step always accepted (15 ms, +2) in the first step: 3 tokens
-    # at 25 ms; then 15 ms steps: 5, 7, 9 tokens -> done at 70 ms
+    # a step that only prefills runs one forward (10 ms, the batch-1 plain step; no chunk price in this
+    # grid): the first token at 10 ms; then k = 1 steps always accepted (15 ms, +2): 3, 5, 7, 9 -> done at 70 ms
     res = simulate({"toy": 1}, {"toy": grid_profile()}, "fixed:1", trace=[(0.0, 4, 9)], max_batch=4)
     [job] = res.jobs
     assert job.first_token == pytest.approx(0.010) and job.done == pytest.approx(0.070)
-    assert [(b, k) for _, b, k in res.replicas[0].steps] == [(1, 1)] * 4
-    # plain decoding: prefill 10 ms + 9 steps of 10 ms (the first in the prefill's step)
+    assert [(b, k, n) for _, b, k, n in res.replicas[0].steps] == [(0, 0, 4)] + [(1, 1, 0)] * 4
+    # plain decoding: the prefill step (10 ms, first token) + 8 steps of 10 ms
     res = simulate({"toy": 1}, {"toy": grid_profile()}, "none", trace=[(0.0, 4, 9)])
     assert res.jobs[0].done == pytest.approx(0.010 + 8 * 0.010)
 
 
 def test_two_requests_batch_at_the_batch_2_latency():
     res = simulate({"toy": 1}, {"toy": grid_profile(acceptance=(0.0,))}, "fixed:1", trace=[(0.0, 4, 3), (0.0, 4, 3)])
-    # one step admits both: prefill at batch 2 (20 ms) + a k = 1 step at batch 2 (30 ms), nothing accepted: 2 tokens each
-    # then a second step at batch 2 (30 ms): 3 tokens -> both done at 80 ms
-    assert [j.done for j in res.jobs] == pytest.approx([0.080, 0.080])
+    # one step prefills both (one forward, 10 ms): first tokens at 10 ms; then k = 1 steps at batch 2 (30 ms),
+    # nothing accepted: 2 tokens at 40 ms, 3 at 70 ms
+    assert [j.first_token for j in res.jobs] == pytest.approx([0.010, 0.010])
+    assert [j.done for j in res.jobs] == pytest.approx([0.070, 0.070])
+
+
+def test_a_long_prompt_prefills_in_chunks_while_the_batch_keeps_decoding():
+    """Budget 8 tokens a step: A decodes at k = 1 (2 tokens of it), B's 20-token prompt gets the other 6
+    per step; each such step costs the decode step plus the chunk's price: 2 ms + 1 ms per prompt token."""
+    prof = grid_profile()
+    prof.latency.chunk_step_ms, prof.latency.chunk_ms_per_token = [2.0, 2.0], [1.0, 2.0]  # beside 1 / 2 decoding
+    res = simulate({"toy": 1}, {"toy": prof}, "fixed:1", trace=[(0.0, 4, 40), (0.001, 20, 2)], max_batch=4,
+                   max_num_batched_tokens=8, block_size=4)  # k = 1 leaves the 4-token block kept for prompts
+    a, b = res.jobs
+    steps = res.replicas[0].steps
+    # A alone: one forward (10 ms, the batch-1 plain step) + 2 ms + 4 tokens x 1 ms
+    assert a.first_token == pytest.approx(0.016) and steps[0][1:] == (0, 0, 4)
+    # B arrived during that step; then 3 chunks of 6 and one of 2, A decoding (batch 1, k = 1) in every one
+    assert [(bs, k, n) for _, bs, k, n in steps[1:6]] == [(1, 1, 6)] * 3 + [(1, 1, 2), (2, 1, 0)]
+    assert [t for t, *_ in steps[1:6]] == pytest.approx([0.016, 0.039, 0.062, 0.085, 0.104])  # 15 + 2 + 6; 15 + 2 + 2
+    assert b.first_token == pytest.approx(0.104)  # at the end of its last chunk's step
+    assert b.done == pytest.approx(0.104 + 0.030)  # then one step at batch 2 (30 ms) gives its second token
+    assert a.generated == 40 and a.first_token < b.first_token < a.done
+    # without a draft (policy none) the draft's part of the price is not paid
+    prof.latency.chunk_draft_step_ms, prof.latency.chunk_draft_ms_per_token = [2.0, 2.0], [1.0, 1.0]
+    res = simulate({"toy": 1}, {"toy": prof}, "none", trace=[(0.0, 4, 2)])
+    assert res.jobs[0].first_token == pytest.approx(0.010)
+
+
+def test_k_is_lowered_to_fit_the_token_budget_keeping_a_block_for_prompts():
+    res = simulate({"toy": 1}, {"toy": grid_profile()}, "fixed:1", trace=[(0.0, 1, 6), (0.0, 1, 6)], max_batch=2,
+                   max_num_batched_tokens=2)
+    assert {(b, k) for _, b, k, _ in res.replicas[0].steps if b} == {(2, 0)}  # 2 x (1 + 1) tokens would not fit
+    # budget 4, blocks of 4: A alone decodes at k = 1; while B's 12-token prompt prefills, the step keeps
+    # a block's worth (all but A's row: 3 tokens) for it, so A decodes at k = 0 beside 3-token chunks
+    res = simulate({"toy": 1}, {"toy": grid_profile()}, "fixed:1", trace=[(0.0, 1, 20), (0.015, 12, 2)], max_batch=2,
+                   max_num_batched_tokens=4, block_size=4)
+    assert [(b, k, n) for _, b, k, n in res.replicas[0].steps[:7]] == \
+        [(0, 0, 1), (1, 1, 0)] + [(1, 0, 3)] * 4 + [(2, 1, 0)]
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        simulate({"toy": 1}, {"toy": grid_profile()}, "none", trace=[(0.0, 4, 6)], max_batch=8, max_num_batched_tokens=4)
+
+
+def test_admission_by_kv_blocks_and_preemption_of_the_latest_admitted():
+    prof = grid_profile()
+    # blocks of 4; a request holds context + max_k + 1 = 4 + 1 + 2 -> 8 tokens at admission. A 16-token pool
+    # takes the second only beside the first's 8 + a block of headroom: it waits for the first to finish.
+    res = simulate({"toy": 1}, {"toy": prof}, "none", trace=[(0.0, 4, 4), (0.0, 4, 4)], max_batch=2, kv_budget=16,
+                   block_size=4, max_k=1)
+    first, second = res.jobs
+    assert second.first_token > first.done
+    # a 32-token pool admits both, but they outgrow it (2 x 20 tokens at 11 generated): the second goes back
+    # to the queue and prefills its prompt + 11 generated tokens again once the first is done
+    res = simulate({"toy": 1}, {"toy": prof}, "none", trace=[(0.0, 4, 12), (0.0, 4, 12)], max_batch=2, kv_budget=32,
+                   block_size=4, max_k=1)
+    first, second = res.jobs
+    assert (first.preemptions, second.preemptions) == (0, 1)
+    assert first.first_token == second.first_token and second.done > first.done
+    assert all(j.generated == j.output_tokens for j in res.jobs)
+    assert [n for *_, n in res.replicas[0].steps if n] == [8, 15]
+    with pytest.raises(ValueError, match="does not fit the KV budget"):
+        simulate({"toy": 1}, {"toy": prof}, "none", trace=[(0.0, 40, 40)], kv_budget=64)
 
 
 def test_every_request_finishes_once_and_load_spreads_over_groups():
@@ -57,7 +116,7 @@ def test_every_request_finishes_once_and_load_spreads_over_groups():
 def test_real_policies_run_on_the_committed_cpu_profile(policy):
     profile = Profile.model_validate(json.loads((ROOT / "profiles" / "cpu-2core.json").read_text()))
     res = simulate({"cpu-2core": 2}, {"cpu-2core": profile}, policy, users_at=lambda t: 3, duration_s=20, seed=1)
-    ks = {k for r in res.replicas for _, b, k in r.steps if b}
+    ks = {k for r in res.replicas for _, b, k, _ in r.steps if b}
     assert res.summary()["finished"] == len(res.jobs) > 0
     if policy == "none":
         assert ks == {0}
@@ -92,22 +151,21 @@ def test_simulate_command_writes_table_and_plot(tmp_path):
     assert main(["simulate", "--fleet", "nope", "--trace", str(tmp_path / "trace.csv")]) == 2
 
 
-def test_measured_prefill_is_priced_per_prompt_token_and_resuming_speculation_costs_its_switch():
+def test_old_profiles_prefill_price_is_used_per_prompt_token_and_resuming_speculation_costs_its_switch():
     prof = grid_profile()
-    prof.latency.prefill_ms, prof.latency.prefill_tokens = [40.0, 60.0], 4
+    prof.latency.prefill_ms, prof.latency.prefill_tokens = [40.0, 60.0], 4  # a profile from before chunked prefill
     prof.latency.resume_ms = [5.0, 5.0]
-    # 8 prompt tokens at batch 1: 40 ms per 4 tokens -> 80 ms to the first token, then k = 1 steps of 15 ms
-    # (none of them resumes after a k = 0 step: no switch cost)
+    # 8 prompt tokens alone: one forward (10 ms) + 8 x 40 / 4 ms -> 90 ms to the first token, then k = 1
+    # steps of 15 ms (none of them resumes after a k = 0 step: no switch cost)
     res = simulate({"toy": 1}, {"toy": prof}, "fixed:1", trace=[(0.0, 8, 9)], max_batch=4)
-    assert res.jobs[0].first_token == pytest.approx(0.080) and res.jobs[0].done == pytest.approx(0.080 + 4 * 0.015)
+    assert res.jobs[0].first_token == pytest.approx(0.090) and res.jobs[0].done == pytest.approx(0.090 + 4 * 0.015)
     # lut at batch 1 -> k = 1, at batch 2 -> k = 0: the second request's arrival switches to k = 0, its end back
     prof.best_k = {1: 1, 2: 0}
     res = simulate({"toy": 1}, {"toy": prof}, "lut", trace=[(0.0, 4, 9), (0.05, 4, 2)], max_batch=4)
-    ks = [k for _, b, k in res.replicas[0].steps if b]
+    ks = [k for _, b, k, _ in res.replicas[0].steps if b]
     assert 0 in ks and ks[-1] == 1
-    first, second = res.jobs
     # the step after k = 0 pays 5 ms more than a plain k = 1 step: total time = sum of the step times
-    steps = res.replicas[0].steps
+    steps = [s for s in res.replicas[0].steps if s[1]]  # decode steps (the first only prefills, at k = 0)
     resumed = next(i for i in range(1, len(steps)) if steps[i][2] == 1 and steps[i - 1][2] == 0)
     assert steps[resumed + 1][0] - steps[resumed][0] == pytest.approx(0.015 + 0.005)
 
@@ -150,22 +208,34 @@ def test_waterfill_matches_sending_each_request_to_the_least_loaded_replica():
 
 
 @pytest.mark.parametrize("policy", ["none", "fixed:1", "fixed:4", "lut", "adaptive"])
-def test_fleet_engine_agrees_with_the_step_engine(policy):
+@pytest.mark.parametrize("chunked", [False, True])
+def test_fleet_engine_agrees_with_the_step_engine(policy, chunked):
     """The vectorised engine against the exact one on 4 replicas of the committed CPU profile, at a load
-    that keeps them batching (mean latency, TTFT, goodput within 10%), and conservation in both."""
+    that keeps them batching (mean latency, goodput, TPOT within 10%, TTFT within 15%), and conservation in
+    both. chunked: a chunk price with a fixed part per step and a 64-token step budget, so prompts of up
+    to 300 tokens prefill over several steps beside the decoding batch."""
     from serve_app.sim.fleetsim import simulate_fleet
 
     profile = Profile.model_validate(json.loads((ROOT / "profiles" / "cpu-2core.json").read_text()))
+    kw, prompts = {}, (30, 60)
+    if chunked:
+        profile.latency.chunk_step_ms = [30.0] * 6
+        profile.latency.chunk_ms_per_token = [1.5, 1.4, 1.3, 1.2, 1.1, 1.0]
+        kw, prompts = {"max_num_batched_tokens": 64}, (100, 300)
     rng = np.random.default_rng(0)
     trace, t = [], 0.0
     while t < 90:
         t += rng.exponential(1 / 6.0)
-        trace.append((t, int(rng.integers(30, 60)), int(rng.integers(16, 48))))
-    exact = simulate({"cpu-2core": 4}, {"cpu-2core": profile}, policy, trace=trace, max_batch=8).summary()
-    fleet = simulate_fleet({"cpu-2core": 4}, {"cpu-2core": profile}, policy, trace=trace, max_batch=8, tick_s=0.05).summary()
+        trace.append((t, int(rng.integers(*prompts)), int(rng.integers(16, 48))))
+    exact = simulate({"cpu-2core": 4}, {"cpu-2core": profile}, policy, trace=trace, max_batch=8, **kw).summary()
+    fleet = simulate_fleet({"cpu-2core": 4}, {"cpu-2core": profile}, policy, trace=trace, max_batch=8, tick_s=0.05,
+                           **kw).summary()
     assert exact["finished"] == fleet["finished"] == len(trace)
     for key in ("mean_latency_s", "goodput_tokens_per_s", "tpot_p50_s"):
         assert fleet[key] == pytest.approx(exact[key], rel=0.10), key
+    assert fleet["ttft_p50_s"] == pytest.approx(exact["ttft_p50_s"], rel=0.15)
+    if chunked:
+        return
     # closed loop: every user's requests follow one another, none lost
     res = simulate_fleet({"cpu-2core": 3}, {"cpu-2core": profile}, policy, users_at=lambda t: 5 if t < 20 else 9,
                          duration_s=40, prompt_tokens=40, output_tokens=32)

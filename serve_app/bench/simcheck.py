@@ -4,7 +4,8 @@ The schedule is `bench policies` (b): seeded Poisson arrivals swinging between l
 replayed in real time, every policy in turn (interleaved rounds, as in the bench). The simulator then
 replays the same arrivals (time, prompt tokens, tokens the real run generated - greedy, so the same
 for every policy) on one replica of this hardware type, from the committed profile alone, averaged
-over `sim_seeds` acceptance draws. Passing means: every policy's simulated mean latency within
+over `sim_seeds` acceptance draws, with the real run's engine settings (`ENGINE`: batch, KV pool,
+blocks, step token budget). Passing means: every policy's simulated mean latency within
 `tolerance` of the measured one, and the same order of policies wherever the real run tells them
 apart by more than `tie`.
 """
@@ -18,11 +19,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from serve_app.config import EngineConfig
 from serve_app.models import LoadedModels
 from serve_app.profiling.profiles import Profile
 from serve_app.sim.simulate import simulate
 from serve_app.bench.policies import Job, _run, varying_jobs
 from serve_app.bench.rounds import provenance
+
+ENGINE = EngineConfig(max_batch_size=32, max_k=8)
+"""The engine `bench policies` runs (`serve_app/bench/policies.py`, `_run` at max_batch 32): the simulation's settings."""
 
 
 def discordant_pairs(real: dict[str, float], sim: dict[str, float], tie: float) -> list[tuple[str, str]]:
@@ -50,14 +55,16 @@ def validate(models: LoadedModels, profile: Profile, policies: list[str], out_di
     with tqdm(total=repeat * len(policies) * len(jobs), desc="validate: real runs", unit="req") as bar:
         for _ in range(repeat):
             for p in policies:
-                res = _run(models, profile, p, jobs, 32, True, bar)
+                res = _run(models, profile, p, jobs, ENGINE.max_batch_size, True, bar)
                 real[p].append(res.mean_latency)
                 outputs = outputs or res.outputs
     trace = [(j.at, len(j.prompt), n) for j, n in zip(jobs, outputs)]
     sim = {}
     for p in tqdm(policies, desc="validate: simulated", unit="policy"):
-        runs = [simulate({profile.gpu_type: 1}, {profile.gpu_type: profile}, p, trace=trace, max_batch=32,
-                         kv_budget=10**9, max_k=8, seed=s) for s in range(sim_seeds)]
+        runs = [simulate({profile.gpu_type: 1}, {profile.gpu_type: profile}, p, trace=trace,
+                         max_batch=ENGINE.max_batch_size, kv_budget=ENGINE.max_num_tokens, max_k=ENGINE.max_k,
+                         block_size=ENGINE.block_size, max_num_batched_tokens=ENGINE.max_num_batched_tokens, seed=s)
+                for s in range(sim_seeds)]
         sim[p] = statistics.fmean(r.summary()["mean_latency_s"] for r in runs)
     real_mean = {p: statistics.median(v) for p, v in real.items()}
     errors = {p: sim[p] / real_mean[p] - 1 for p in policies}

@@ -162,9 +162,11 @@ def build_models(cfg: StepBench) -> StepModels:
 
 
 def _engine_config(cfg: StepBench) -> EngineConfig:
-    per_request = cfg.prompt_tokens + cfg.max_tokens + cfg.k + 1
-    return EngineConfig(policy=f"fixed:{cfg.k}", max_batch_size=max(cfg.batch_sizes), max_k=max(cfg.k, 1),
-                        max_num_tokens=max(cfg.batch_sizes) * per_request + 16)
+    batch, bs = max(cfg.batch_sizes), EngineConfig.model_fields["block_size"].default
+    per_request = -(-(cfg.prompt_tokens + cfg.max_tokens + max(cfg.k, 1) + 1) // bs) * bs + bs  # whole blocks + headroom
+    return EngineConfig(policy=f"fixed:{cfg.k}", max_batch_size=batch, max_k=max(cfg.k, 1),
+                        max_num_tokens=batch * per_request + bs,  # every request admitted at once
+                        max_num_batched_tokens=max(batch * (cfg.k + 1), 256))  # the timed steps run at k
 
 
 @contextlib.contextmanager

@@ -6,12 +6,15 @@ Runs the real engine (no Ray: GPU boxes with only torch + transformers can profi
    shuffled order, two steps per visit; each cell is the median
    over `reps` rounds of the second step's draft, verification and other time (the first step of a
    visit pays for switching k and is recorded apart, as the cost of resuming after k = 0).
-   Then the prefill per batch size: a fresh engine admitting b prompts at once, less the k = 0 step
-   that follows (simulators price each request's admission with it).
+   Then the chunked prefill's price per batch size: beside b sequences decoding at k = 0, a chat-length
+   prompt and a prompt of a whole chunk (the engine's step budget, `max_num_batched_tokens`, less the
+   decoding rows) each prefill in a step; their extra time over a plain step gives a fixed part per
+   step that prefills and a part per prompt token (simulators add both to the decode step's time).
 2. Acceptance per position: the engine at fixed:K over PROFILE_PROMPTS, a prompt set no distillation
    and no benchmark uses (so the policies are never judged on the prompts that tuned them).
 From both it derives the best-k table (lowest latency per generated token per batch size) and
 the per-token acceptance rate the adaptive policy starts from, and draws a heatmap.
+The profiler's engines keep no prefix cache: a prompt seen before would skip its prefill.
 """
 
 from __future__ import annotations
@@ -33,13 +36,33 @@ from serve_app.engine.scheduler import Engine
 from serve_app.engine.stats import StepStats
 
 
-def _engine(models: LoadedModels, batch: int, max_k: int, kv_tokens: int) -> Engine:
-    return Engine.from_models(models, EngineConfig(max_batch_size=batch, max_k=max_k, max_num_tokens=kv_tokens), FixedK(0))
+BUDGET = EngineConfig.model_fields["max_num_batched_tokens"].default
+"""The engine's per-step token budget: the chunked prefill is priced at it."""
+
+
+def _engine(models: LoadedModels, batch: int, max_k: int, need: int, budget: int = BUDGET) -> Engine:
+    """An engine to measure with: room for `batch` requests of up to `need` KV tokens each (prompt +
+    max_tokens + max_k + 1) admitted at once, `budget` tokens a step, no prefix cache, k = 0 until set."""
+    bs = EngineConfig.model_fields["block_size"].default
+    pool = batch * (-(-need // bs) + 1) * bs  # whole blocks + the block of headroom admission keeps per request
+    return Engine.from_models(models, EngineConfig(max_batch_size=batch, max_k=max_k, max_num_tokens=pool,
+                                                   max_num_batched_tokens=max(budget, batch), prefix_caching=False),
+                              FixedK(0))
+
+
+def _prefill(engine: Engine, reqs: list) -> None:
+    """Step until every one of `reqs` is decoding (their prefill done: each has its first token)."""
+    while any(r not in engine.running for r in reqs):
+        engine.step()
+
+
+def _total_ms(st: StepStats) -> float:
+    return (st.draft_s + st.verify_s + st.other_s) * 1000
 
 
 def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int], reps: int, bar: tqdm,
                     seed: int = 0) -> LatencyGrid:
-    """Median draft / verify / other time of a step for every (batch size, k).
+    """Median draft / verify / other time of a step for every (batch size, k), and the chunked prefill's price.
 
     b greedy requests run together while the profiler sets k, b fresh ones every round (so contexts
     stay at the prompt plus one round's tokens). Each of `reps` rounds (after a warm-up round) visits
@@ -47,18 +70,23 @@ def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int],
     predecessors. A visit is two steps at that k: the first pays for the switch (after a k = 0 visit,
     the draft feeds the tokens it skipped) and is kept out of the cell, which records the second, the
     cost a policy that stays at k pays every step. The switch cost is real but belongs to switching:
-    `resume_ms` records it for steps that resume speculation after k = 0.
+    `resume_ms` records it for steps that resume speculation after k = 0. The grid's engine has a step
+    budget that fits every (b, k) and a round's prompts in one step: the grid is the cost of (b, k)
+    itself; the engine lowers k to its budget when serving, and so do the simulators.
     """
     prompts = chat_prompts(models.tokenizer, PROFILE_PROMPTS, max(batch_sizes))
     rounds = reps + 1  # one warm-up round per batch size, not recorded
     per_round = 2 * sum(k + 1 for k in ks) + 2  # tokens one round can generate per sequence
     rng = random.Random(seed)
     cells = {name: [[0.0] * len(ks) for _ in batch_sizes] for name in ("draft_ms", "verify_ms", "other_ms")}
-    resume_ms, prefill_ms, prefill_draft_ms, contexts = [], [], [], []
-    mean_prompt = statistics.fmean(len(p) for p in prompts[:max(batch_sizes)])
+    resume_ms, contexts = [], []
+    chunk: dict[str, list[float]] = {name: [] for name in ("chunk_step_ms", "chunk_ms_per_token", "chunk_draft_step_ms",
+                                                           "chunk_draft_ms_per_token")}
+    chunk_prompt = None
+    longest = max(len(p) for p in prompts)
     for i, b in enumerate(batch_sizes):
-        need = max(len(p) for p in prompts) + per_round + max(ks) + 1
-        engine = _engine(models, b, max(ks), b * need)
+        need = longest + per_round + max(ks) + 1
+        engine = _engine(models, b, max(ks), need, max(BUDGET, b * (max(ks) + 1), b * longest))
         if need > engine.max_model_len:
             raise ValueError(f"profiling k up to {max(ks)} needs {need} tokens of context; "
                              f"the model allows {engine.max_model_len}: lower --max-k")
@@ -73,7 +101,7 @@ def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int],
             # round's tokens) instead of growing over the rounds; attention reads every earlier token.
             reqs = [engine.submit(prompts[(r * b + j) % len(prompts)], params) for j in range(b)]
             engine.policy = FixedK(0)
-            engine.step()  # prefill (and a k = 0 step), not recorded
+            _prefill(engine, reqs)  # one step (the budget fits the prompts), not recorded
             order = list(ks)
             rng.shuffle(order)
             for k in order:
@@ -97,43 +125,70 @@ def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int],
         steady = {k: cells["draft_ms"][i][j] for j, k in enumerate(ks)}
         extra = [s.draft_s * 1000 - steady[k] for k, s in resumes]
         resume_ms.append(round(max(statistics.median(extra), 0.0), 3) if extra else 0.0)
-        total_k0 = cells["draft_ms"][i][0] + cells["verify_ms"][i][0] + cells["other_ms"][i][0]
-        at_mean = b * mean_prompt / sum(len(p) for p in prompts[:b])  # priced at the common mean prompt length
-        whole, draft = measure_prefill(models, prompts[:b], reps, total_k0, cells["draft_ms"][i][0])
-        prefill_ms.append(round(whole * at_mean, 3))
-        prefill_draft_ms.append(round(min(draft * at_mean, prefill_ms[-1]), 3))
+        *price, chunk_prompt = measure_chunk_prefill(models, prompts, b, reps, engine.max_model_len)
+        for name, v in zip(chunk, price):
+            chunk[name].append(round(v, 4))
         bar.update(1)
-    return LatencyGrid(batch_sizes=batch_sizes, ks=ks, resume_ms=resume_ms, prefill_tokens=round(mean_prompt),
-                       prefill_ms=prefill_ms, prefill_draft_ms=prefill_draft_ms,
+    return LatencyGrid(batch_sizes=batch_sizes, ks=ks, resume_ms=resume_ms, chunk_budget=BUDGET,
+                       chunk_prompt_tokens=chunk_prompt, **chunk,
                        context_tokens=round(statistics.fmean(contexts)) if contexts else None, **cells)
 
 
-def measure_prefill(models: LoadedModels, prompts: list[list[int]], reps: int, decode_ms: float,
-                    decode_draft_ms: float) -> tuple[float, float]:
-    """Median milliseconds to admit `prompts` together, and the draft's part of it: a fresh engine's
-    first step (prefill on both workers, then one k = 0 decode step) less that k = 0 step's measured
-    cost `decode_ms` (of which `decode_draft_ms` is the draft's)."""
-    whole, draft = [], []
-    for _ in range(max(3, reps // 2)):
-        engine = _engine(models, len(prompts), 1, max(sum(len(p) + 4 for p in prompts), 16))
-        seen: list[StepStats] = []
-        engine.on_step.append(seen.append)
-        for p in prompts:
-            engine.submit(p, SamplingParams(max_tokens=2, ignore_eos=True))
-        engine.step()
-        st = seen[-1]
-        whole.append(max((st.draft_s + st.verify_s + st.other_s) * 1000 - decode_ms, 0.0))
-        draft.append(max(st.draft_s * 1000 - decode_draft_ms, 0.0))
-        engine.run(list(engine.running))  # finish them (one more step)
-    return statistics.median(whole), statistics.median(draft)
+def measure_chunk_prefill(models: LoadedModels, prompts: list[list[int]], batch: int, reps: int, max_model_len: int,
+                          budget: int = BUDGET) -> tuple[float, float, float, float, int]:
+    """What prefilling in chunks adds to a step that decodes `batch` sequences at k = 0, with the engine's
+    step budget: (ms per step that prefills, ms per prompt token, the draft's parts of both, the short
+    prompt's tokens).
 
+    `batch` requests decode at k = 0; then, `max(3, reps)` times: a plain step, a short prompt (a chat
+    prompt's mean length) submitted with max_tokens = 1 and prefilled in one step, a plain step, and a
+    prompt of a whole chunk (the budget less the decoding rows) likewise. The median extra time of
+    each kind over the median plain step gives two points, extra = fixed + tokens x per token."""
+    n = max(3, reps)
+    full = max(1, min(budget - batch, max_model_len - 2))
+    short = max(1, min(round(statistics.fmean(len(p) for p in prompts)), full))
+    first = -(-sum(len(prompts[j % len(prompts)]) for j in range(batch)) // budget)  # steps its prefill may take
+    max_tokens = 4 * n + first + 4  # the decoding batch never finishes while measured
+    need = max(max(len(p) for p in prompts[:batch]) + max_tokens, full + 1) + 2
+    engine = _engine(models, batch + 1, 1, need, budget)
+    pool = [t for p in prompts for t in p] * ((full + n) // sum(len(p) for p in prompts) + 1)
+    seen: list[StepStats] = []
+    engine.on_step.append(seen.append)
+    decoding = [engine.submit(prompts[j % len(prompts)], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+                for j in range(batch)]
+    _prefill(engine, decoding)
+    base: list[StepStats] = []
+    chunked: dict[int, list[StepStats]] = {short: [], full: []}
+    for r in range(n):
+        for length in (short, full):
+            engine.step()
+            base.append(seen[-1])
+            start = len(seen)
+            req = engine.submit(pool[r: r + length], SamplingParams(max_tokens=1, ignore_eos=True))
+            while not req.finished:
+                engine.step()
+            chunked[length] += seen[start:]
+    for q in decoding:
+        engine.abort(q)
+    engine.step()
+
+    def fit(ms) -> tuple[float, float]:  # (fixed, per token) through the two kinds' median extra times
+        plain = statistics.median(ms(s) for s in base)
+        extra = {length: statistics.median(ms(s) - plain for s in steps) for length, steps in chunked.items()}
+        per_token = max((extra[full] - extra[short]) / (full - short), 0.0) if full > short else 0.0
+        fixed = max(extra[short] - short * per_token, 0.0)
+        return fixed, per_token
+
+    fixed, per_token = fit(_total_ms)
+    draft_fixed, draft_per_token = fit(lambda s: s.draft_s * 1000)
+    return fixed, per_token, min(draft_fixed, fixed), min(draft_per_token, per_token), short
 
 
 def measure_acceptance(models: LoadedModels, k: int, num_prompts: int, max_tokens: int, bar: tqdm) -> list[float]:
     """acceptance[i] = share of (sequence, step) pairs at fixed k where draft token i was accepted."""
     batch = min(8, num_prompts)
     prompts = chat_prompts(models.tokenizer, PROFILE_PROMPTS, num_prompts)
-    engine = _engine(models, batch, k, batch * (max(len(p) for p in prompts) + max_tokens + k + 1))
+    engine = _engine(models, batch, k, max(len(p) for p in prompts) + max_tokens + k + 1, max(BUDGET, batch * (k + 1)))
     engine.policy = FixedK(k)
     accepted, seqs = [0] * k, 0
 
@@ -171,7 +226,9 @@ def run_profile(mc: ModelConfig, out: str | None, batch_sizes: list[int], max_k:
         acceptance_rate=round(fit_acceptance_rate(acceptance), 4), best_k=best_k_table(grid, acceptance),
         notes=(f"specserve profile: greedy; latency: {reps} rounds after a warm-up round, fresh requests each round "
                f"(mean context {grid.context_tokens} tokens), k visited in a shuffled order, two steps per visit, "
-               "the second recorded (median over rounds); torch threads "
+               "the second recorded (median over rounds); chunked prefill: "
+               f"{grid.chunk_prompt_tokens}-token and whole-chunk prompts ({grid.chunk_budget}-token step budget) "
+               "beside each batch decoding at k = 0; torch threads "
                f"{torch.get_num_threads()}, device {mc.device}; acceptance at k={max_k} over {num_prompts} "
                f"PROFILE_PROMPTS x {max_tokens} tokens"),
     )

@@ -42,10 +42,29 @@ class LatencyGrid(BaseModel):
     resume_ms: list[float] | None = None
     """resume_ms[i]: extra draft time of the first speculating step after steps at k = 0 (the draft
     feeds the tokens it skipped), over the steady-state cell; a switch cost, not part of the cells."""
+    chunk_step_ms: list[float] | None = None
+    """chunk_step_ms[i]: the fixed part of what prefilling in chunks adds to a step that decodes
+    batch_sizes[i] sequences (at k = 0), whatever the chunk's length: the draft's own prefill forward,
+    admission, bookkeeping. The engine's chunked prefill gives each step's budget
+    (`EngineConfig.max_num_batched_tokens`) to the decoding rows first, the rest to prompt chunks;
+    simulators add chunk_step_ms + chunk tokens x chunk_ms_per_token to the decode step's time."""
+    chunk_ms_per_token: list[float] | None = None
+    """chunk_ms_per_token[i]: the part per prompt token fed (the target's packed forward grows). Both are
+    fitted to two measurements beside the decoding batch: a `chunk_prompt_tokens`-token prompt, and a
+    prompt of a whole chunk (`chunk_budget` less the decoding rows), each prefilled in one step."""
+    chunk_draft_step_ms: list[float] | None = None
+    """chunk_draft_step_ms[i]: the draft's part of chunk_step_ms[i] (what an engine without a draft saves)."""
+    chunk_draft_ms_per_token: list[float] | None = None
+    """chunk_draft_ms_per_token[i]: the draft's part of chunk_ms_per_token[i]."""
+    chunk_budget: int | None = Field(None, ge=1)
+    """The step's token budget (`max_num_batched_tokens`) the chunk price was measured with."""
+    chunk_prompt_tokens: int | None = Field(None, ge=1)
+    """Length of the short prompt (a chat prompt's) the chunk price was measured with."""
     prefill_ms: list[float] | None = None
-    """prefill_ms[i]: admitting batch_sizes[i] new requests of `prefill_tokens` prompt tokens each (the
+    """Profiles from before chunked prefill (and predicted ones): prefill_ms[i] is admitting
+    batch_sizes[i] new requests of `prefill_tokens` prompt tokens each in a forward of their own (the
     target's forward over the prompts, the draft's prefill and first commit), over the k = 0 step the
-    same engine step also runs. Prefill is priced per prompt token, so simulators scale it by length."""
+    same engine step also ran. Simulators read it, per prompt token, where `chunk_ms_per_token` is absent."""
     prefill_tokens: int | None = Field(None, ge=1)
     """Mean prompt length, in tokens, of the requests `prefill_ms` admitted."""
     context_tokens: int | None = Field(None, ge=1)
@@ -68,6 +87,16 @@ class LatencyGrid(BaseModel):
             raise ValueError(f"prefill_ms needs one latency >= 0 per batch size {self.batch_sizes}, and prefill_tokens")
         if self.prefill_draft_ms is not None and (self.prefill_ms is None or len(self.prefill_draft_ms) != len(self.prefill_ms)):
             raise ValueError("prefill_draft_ms needs prefill_ms and one latency per batch size")
+        chunk = {name: getattr(self, name) for name in ("chunk_step_ms", "chunk_ms_per_token", "chunk_draft_step_ms",
+                                                         "chunk_draft_ms_per_token")}
+        if any(v is not None for v in chunk.values()):
+            for name, v in chunk.items():
+                if v is None and "draft" not in name:
+                    raise ValueError(f"{name} is missing: the chunk price needs chunk_step_ms and chunk_ms_per_token")
+                if v is not None and (len(v) != len(self.batch_sizes) or min(v) < 0):
+                    raise ValueError(f"{name} needs one value >= 0 per batch size {self.batch_sizes}")
+            if (chunk["chunk_draft_step_ms"] is None) != (chunk["chunk_draft_ms_per_token"] is None):
+                raise ValueError("chunk_draft_step_ms and chunk_draft_ms_per_token come together")
         for name in ("draft_ms", "verify_ms", "other_ms"):
             rows = getattr(self, name)
             if len(rows) != len(self.batch_sizes):
@@ -92,6 +121,23 @@ class LatencyGrid(BaseModel):
             [max(t - d, 0.0) for t, d in zip(self.prefill_ms, self.prefill_draft_ms)]
         per_token = [m / (b * self.prefill_tokens) for b, m in zip(self.batch_sizes, ms)]
         return _interpolate(self.batch_sizes, per_token, batch_size) * prompt_tokens
+
+    def chunk_ms(self, batch_size: int, prompt_tokens: int, draft: bool = True) -> float | None:
+        """Milliseconds that prefilling `prompt_tokens` prompt tokens in chunks adds to a step decoding
+        `batch_size` sequences: chunk_step_ms + tokens x chunk_ms_per_token (linear between measured
+        batch sizes), less the draft's part when there is no draft; 0 for no tokens. Profiles from
+        before chunked prefill: their per-token prefill price at that batch size (`prefill_at`, from
+        a forward of its own). None when neither was measured."""
+        if self.chunk_ms_per_token is None or self.chunk_step_ms is None:
+            return self.prefill_at(batch_size, prompt_tokens, draft)
+        if prompt_tokens <= 0:
+            return 0.0
+        fixed, per_token = self.chunk_step_ms, self.chunk_ms_per_token
+        if not draft and self.chunk_draft_step_ms is not None and self.chunk_draft_ms_per_token is not None:
+            fixed = [max(t - d, 0.0) for t, d in zip(fixed, self.chunk_draft_step_ms)]
+            per_token = [max(t - d, 0.0) for t, d in zip(per_token, self.chunk_draft_ms_per_token)]
+        return (_interpolate(self.batch_sizes, fixed, batch_size)
+                + _interpolate(self.batch_sizes, per_token, batch_size) * prompt_tokens)
 
     def step_ms(self, batch_size: int) -> list[float]:
         """Step latency per k at any batch size: linear between measured sizes, extended beyond them."""

@@ -4,12 +4,20 @@ The step-by-step simulator (`simulate.py`) runs every engine step of every repli
 but about 60k steps per second of wall time, and an hour of 1,000 replicas is tens of millions of
 steps. This engine advances all replicas together, one tick (`tick_s`, default 0.1 s) at a time, with
 numpy arrays over replicas and requests in flight. Within a tick a replica:
-- admits waiting requests FIFO up to its max batch and pays their prefill (the profile's price per
-  prompt token at that many admissions); time it could not pay carries into the next tick;
-- decodes its batch for the rest of the tick at the k its policy gives for that batch size: a
-  fractional number of steps of the profile's step time, each sequence gaining the expected tokens per
-  step, 1 + acceptance[0] + ... + acceptance[k-1] (a fluid model: no per-step draws);
-- finishes requests at the moment their last token falls due (interpolated inside the tick).
+- admits waiting requests FIFO up to its max batch (decoding + prefilling; admitting costs nothing,
+  the KV pool is not modelled here);
+- steps at the k its policy gives for its decoding batch b, lowered so that b * (k + 1) fits the step's
+  token budget (`max_num_batched_tokens`, less a block's worth while prompts are prefilling), each
+  sequence gaining the expected tokens per step, 1 + acceptance[0] + ... + acceptance[k-1] (a fluid
+  model: no per-step draws). Its pending prompt tokens go first, in whole steps that each feed up to
+  C = budget - b * (k + 1) of them (first admitted first) beside the decoding batch and cost the
+  decode step's time plus the profile's chunk price (`LatencyGrid.chunk_ms`: a fixed part per step, a
+  part per prompt token); a step that only prefills costs the batch-1, k = 0 step plus its chunk, as
+  in `simulate.py`. As many such steps run as the prompts need or the tick holds (the last may run past
+  the tick's end: a debt the replica pays first in the next tick); then it decodes for the rest of the
+  tick, a fractional number of steps of the profile's step time;
+- gives a prompt its first token at the end of the step that feeds its last token, and decodes it from
+  the next tick; finishes requests at the moment their last token falls due (interpolated inside the tick).
 Arrivals in a tick are routed at its start with the ingress's rule (the group with the fewest requests
 in flight per replica, then its replica with the fewest), as water-filling. Policies are the real objects: each
 hardware type's policy is asked k for every batch size once per simulated second, after being told a
@@ -26,19 +34,24 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from serve_app.config import EngineConfig
 from serve_app.engine.policy import BatchState, make_policy
 from serve_app.profiling.profiles import Profile
 from serve_app.sim.summary import marginal_acceptance, summarize
 from serve_app.engine.stats import StepStats
 
 
+ENGINE = EngineConfig()
+"""The engine's defaults: what the simulators assume where they are not told otherwise."""
+
+
 @dataclass
 class FleetTables:
     """Per hardware type (rows) lookup tables the ticks index with numpy."""
 
-    step_ms: np.ndarray  # [G, max_batch + 1, max_k + 1] step latency at batch b and k
-    prefill_ms_per_token: np.ndarray  # [G, max_batch + 1] prefill price per prompt token at n admissions
-    prefill_ms_flat: np.ndarray  # [G, max_batch + 1] profiles without a measured prefill: one plain forward
+    step_ms: np.ndarray  # [G, max_batch + 1, max_k + 1] step latency at batch b and k (b = 0: batch 1, k = 0)
+    chunk_step_ms: np.ndarray  # [G, max_batch + 1] fixed price of a step that prefills, beside b decoding (b = 0: 1)
+    chunk_ms_per_token: np.ndarray  # [G, max_batch + 1] price per prompt token fed, beside b decoding (b = 0: 1)
     tokens_per_step: np.ndarray  # [G, max_k + 1] expected tokens per sequence per step at k
     marginal: list[list[float]]  # per group: P(draft token i accepted), i < max_k
 
@@ -46,8 +59,8 @@ class FleetTables:
 def build_tables(profiles: list[Profile], max_batch: int, max_k: int, draft: bool) -> FleetTables:
     G = len(profiles)
     step = np.zeros((G, max_batch + 1, max_k + 1))
-    prefill = np.zeros((G, max_batch + 1))
-    flat = np.zeros((G, max_batch + 1))
+    chunk = np.zeros((G, max_batch + 1))
+    fixed = np.zeros((G, max_batch + 1))
     tokens = np.ones((G, max_k + 1))
     marginal = []
     for g, prof in enumerate(profiles):
@@ -56,16 +69,14 @@ def build_tables(profiles: list[Profile], max_batch: int, max_k: int, draft: boo
             row = grid.step_ms(b)
             for k in range(max_k + 1):
                 step[g, b, k] = row[grid.ks.index(max(x for x in grid.ks if x <= k))]  # nearest measured k at or below
-            per_token = grid.prefill_at(b, 1, draft)  # admitting b requests, per prompt token
-            if per_token is None:
-                flat[g, b] = grid.step_ms(b)[0]
-            else:
-                prefill[g, b] = per_token
-        step[g, 0] = step[g, 1]
+            one, two = grid.chunk_ms(b, 1, draft) or 0.0, grid.chunk_ms(b, 2, draft) or 0.0  # none measured: free
+            chunk[g, b], fixed[g, b] = two - one, 2 * one - two
+        step[g, 0] = step[g, 1, 0]  # only prefilling: one forward, as a batch-1 plain step
+        chunk[g, 0], fixed[g, 0] = chunk[g, 1], fixed[g, 1]
         m = marginal_acceptance(prof, max_k)
         marginal.append(m)
         tokens[g] = [1.0 + sum(m[:k]) for k in range(max_k + 1)]
-    return FleetTables(step, prefill, flat, tokens, marginal)
+    return FleetTables(step, fixed, chunk, tokens, marginal)
 
 
 def waterfill(loads: np.ndarray, count: int) -> np.ndarray:
@@ -142,8 +153,9 @@ class _Requests:
     running: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
     generated: np.ndarray = field(default_factory=lambda: np.zeros(0))
     first: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    left: np.ndarray = field(default_factory=lambda: np.zeros(0))  # prompt tokens still to prefill once admitted
 
-    NAMES = ("replica", "arrival", "prompt", "output", "user", "seq", "running", "generated", "first")
+    NAMES = ("replica", "arrival", "prompt", "output", "user", "seq", "running", "generated", "first", "left")
 
     def append(self, **cols) -> None:
         for name in self.NAMES:
@@ -157,13 +169,15 @@ class _Requests:
 def simulate_fleet(fleet: dict[str, int], profiles: dict[str, Profile], policy: str, *, users_at=None,
                    duration_s: float = 60.0, trace: list[tuple[float, int, int]] | None = None,
                    prompt_tokens: "int | tuple[int, int]" = 64, output_tokens: "int | tuple[int, int]" = 64,
-                   max_batch: int = 8, max_k: int = 8,
+                   max_batch: int = ENGINE.max_batch_size, max_k: int = ENGINE.max_k,
+                   max_num_batched_tokens: int = ENGINE.max_num_batched_tokens, block_size: int = ENGINE.block_size,
                    tick_s: float = 0.1, route: str = "least-loaded", seed: int = 0) -> FleetResult:
     """`fleet` ({hardware type: replicas}) under closed-loop users (`users_at(t)`, re-read every
     simulated second, for `duration_s`) or an open-loop `trace` of (arrival s, prompt tokens, output
     tokens). `route`: least-loaded (the ingress: the group with the fewest in flight per replica, then
     its replica with the fewest) or group-total (the group with the fewest in flight, whatever its size:
-    the ingress's rule before it counted replicas)."""
+    the ingress's rule before it counted replicas). max_batch, max_k, max_num_batched_tokens, block_size:
+    the engine's settings (`EngineConfig` defaults unless given)."""
     if (users_at is None) == (trace is None):
         raise ValueError("give exactly one of users_at (closed loop) or trace (open loop)")
     if route not in ROUTES:
@@ -171,15 +185,17 @@ def simulate_fleet(fleet: dict[str, int], profiles: dict[str, Profile], policy: 
     missing = [t for t in fleet if t not in profiles or profiles[t].latency is None]
     if missing:
         raise ValueError(f"no profile with a latency grid for hardware types {missing}")
-    sim = _Fleet(fleet, profiles, policy, max_batch, max_k, tick_s, route, seed)
+    if max_num_batched_tokens < max_batch:
+        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_batch ({max_batch})")
+    sim = _Fleet(fleet, profiles, policy, max_batch, max_k, max_num_batched_tokens, block_size, tick_s, route, seed)
     arrivals = _Trace(trace) if trace is not None else _Users(users_at, duration_s, prompt_tokens, output_tokens, seed)
     t = 0.0
     while t < arrivals.end_s or len(sim.req.seq) or arrivals.pending():
         if t - sim.last_policy >= 1.0:
             sim.ask_policies(t)
         sim.route(*arrivals.due(t, t + tick_s))
-        prefill_ms = sim.admit(t)
-        for users, done in sim.decode(t, prefill_ms):
+        sim.admit()
+        for users, done in sim.step(t):
             arrivals.finished(users, done)
         t += tick_s
         if t > arrivals.end_s + 3600:  # an overloaded fleet never drains: stop an hour past the end
@@ -258,7 +274,7 @@ class _Fleet:
     """The replicas (arrays over R) and the requests in flight (arrays over requests)."""
 
     def __init__(self, fleet: dict[str, int], profiles: dict[str, Profile], policy: str, max_batch: int, max_k: int,
-                 tick_s: float, route: str, seed: int):
+                 budget: int, block_size: int, tick_s: float, route: str, seed: int):
         self.groups = list(fleet)
         self.counts = np.array([fleet[g] for g in self.groups])
         self.R, G = int(self.counts.sum()), len(self.groups)
@@ -269,11 +285,12 @@ class _Fleet:
         self.policy = policy
         self.policies = [make_policy(policy, profiles[g]) for g in self.groups]
         self.k_table = np.zeros((G, max_batch + 1), dtype=np.int64)  # [G, batch] k the policy gives
-        self.max_batch, self.max_k, self.tick_s, self.route_rule = max_batch, max_k, tick_s, route
+        self.max_batch, self.max_k, self.budget, self.block_size = max_batch, max_k, budget, block_size
+        self.tick_s, self.route_rule = tick_s, route
         self.rng = np.random.default_rng(seed)
         self.req = _Requests()
-        self.debt = np.zeros(self.R)  # [R] ms of prefill a replica still owes from earlier ticks
         self.next_seq, self.arrivals, self.steps, self.last_done, self.last_policy = 0, 0, 0.0, 0.0, -1.0
+        self.debt = np.zeros(self.R)  # [R] ms of prefill steps a replica still owes from earlier ticks
         self.done: dict[str, list] = {"e2e": [], "ttft": [], "tpot": [], "group": [], "out": []}
         self.ticks, self.batch_log, self.k_log = [], [], []
 
@@ -295,61 +312,77 @@ class _Fleet:
         target = _route(in_flight, n, self.group_of, self.first_replica, self.counts, self.route_rule)
         self.req.append(replica=target, arrival=at, prompt=prompt, output=output, user=user,
                         seq=np.arange(self.next_seq, self.next_seq + n), running=np.zeros(n, bool),
-                        generated=np.zeros(n), first=np.full(n, np.nan))
+                        generated=np.zeros(n), first=np.full(n, np.nan), left=prompt.astype(float))
         self.next_seq += n
         self.arrivals += n
 
-    def admit(self, t: float) -> np.ndarray:
-        """FIFO per replica up to the max batch; returns each replica's prefill ms this tick [R]."""
+    def admit(self) -> None:
+        """FIFO per replica while decoding + prefilling < max batch; their prefill starts (no cost here)."""
         req, R = self.req, self.R
-        prefill_ms = np.zeros(R)
         waiting = np.flatnonzero(~req.running)
         if not len(waiting):
-            return prefill_ms
-        running_per = np.bincount(req.replica[req.running], minlength=R)
+            return
+        admitted_per = np.bincount(req.replica[req.running], minlength=R)
         order = waiting[np.lexsort((req.seq[waiting], req.replica[waiting]))]  # by replica, then arrival
         reps = req.replica[order]
         rank = np.arange(len(order)) - np.searchsorted(reps, reps, side="left")  # place in its replica's queue
-        admit = order[rank < (self.max_batch - running_per)[reps]]
-        if len(admit):
-            n_adm = np.minimum(np.bincount(req.replica[admit], minlength=R), self.max_batch)
-            tokens = np.bincount(req.replica[admit], weights=req.prompt[admit], minlength=R)
-            prefill_ms = (self.tables.prefill_ms_per_token[self.group_of, n_adm] * tokens
-                          + self.tables.prefill_ms_flat[self.group_of, n_adm])
-            r = req.replica[admit]
-            req.first[admit] = np.maximum(req.arrival[admit], t) + (self.debt[r] + prefill_ms[r]) / 1000
-            req.running[admit] = True
-            req.generated[admit] = 1.0
-        return prefill_ms
+        req.running[order[rank < (self.max_batch - admitted_per)[reps]]] = True
 
-    def decode(self, t: float, prefill_ms: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Every replica decodes for what is left of the tick; returns (users, done times) of the
-        requests that finished."""
-        req, tick_ms = self.req, self.tick_s * 1000
-        run = np.flatnonzero(req.running)
-        batch = np.bincount(req.replica[run], minlength=self.R)  # [R]
+    def step(self, t: float) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Every replica steps for the tick (module docstring): prefill chunks beside the decoding batch
+        until its prompts are in, then decoding alone. Returns (users, done times) of the finished requests."""
+        req, tick_ms, R = self.req, self.tick_s * 1000, self.R
+        dec = np.flatnonzero(req.running & (req.left <= 0))
+        pre = np.flatnonzero(req.running & (req.left > 0))
+        batch = np.bincount(req.replica[dec], minlength=R)  # [R] decoding
         b = np.minimum(batch, self.max_batch)
-        ks = self.k_table[self.group_of, b]  # [R]
-        step_ms = self.tables.step_ms[self.group_of, b, ks]  # [R]
-        per_step = self.tables.tokens_per_step[self.group_of, ks]  # [R] expected tokens per sequence
-        used_ms = self.debt + prefill_ms
-        self.debt = np.maximum(used_ms - tick_ms, 0.0)
-        n_steps = np.where(batch > 0, np.maximum(tick_ms - used_ms, 0.0) / step_ms, 0.0)  # [R] fractional
-        self.steps += float(n_steps.sum())
+        g = self.group_of
+        prefilling = np.bincount(req.replica[pre], minlength=R) > 0  # [R]
+        kept = np.where(prefilling, np.minimum(self.block_size, self.budget - b), 0)  # a block's worth for prompts
+        ks = np.where(b > 0, np.minimum(self.k_table[g, b], (self.budget - kept) // np.maximum(b, 1) - 1), 0)  # [R]
+        step_ms = self.tables.step_ms[g, b, ks]  # [R] (b = 0: the batch-1 plain step)
+        per_step = self.tables.tokens_per_step[g, ks]  # [R] expected tokens per sequence
+        chunk = (self.budget - b * (ks + 1)).astype(float)  # [R] prompt tokens a step feeds while prefilling
+        price = self.tables.chunk_ms_per_token[g, b]  # [R] ms per prompt token
+        feed_ms = step_ms + self.tables.chunk_step_ms[g, b]  # [R] a step that prefills, before its tokens' price
+        pending = np.bincount(req.replica[pre], weights=req.left[pre], minlength=R)  # [R] prompt tokens to feed
+        # A replica still busy with an earlier tick's last step (debt) starts that much later. It feeds its
+        # pending prompt tokens first, in whole steps of up to C tokens, each the decode step's time and
+        # the chunk's fixed price plus its tokens' price, as many as the tick needs or holds (the last
+        # may run past the tick's end: a debt on the next), then decodes for what is left of the tick.
+        free = self.debt < tick_ms
+        begin = np.where(free, self.debt, tick_ms)  # [R] ms into the tick the replica starts
+        can = free & (chunk > 0) & (pending > 0)
+        c = np.maximum(chunk, 1)
+        needed = np.ceil(np.where(can, pending / c, 0.0) - 1e-9)  # [R] steps to feed them all
+        fits = needed * feed_ms + pending * price <= tick_ms - begin
+        prefill_steps = np.where(fits, needed, np.minimum(np.ceil((tick_ms - begin) / (feed_ms + c * price)), needed))
+        prefill_steps = np.where(can, prefill_steps, 0.0)  # [R]
+        fed = np.where(can, np.minimum(prefill_steps * c, pending), 0.0)  # [R] prompt tokens fed
+        prefill_ms = prefill_steps * feed_ms + fed * price  # [R]
+        rest = tick_ms - begin - prefill_ms
+        decode_steps = np.where(free & (batch > 0) & (rest > 0), rest / step_ms, 0.0)  # [R] after the prompts are in
+        self.debt = np.where(free, np.maximum(-rest, 0.0), self.debt - tick_ms)
+        self.steps += float(prefill_steps.sum() + decode_steps.sum())
         self._log(t, batch, ks)
         self._observe(batch, ks)
-        if not len(run):
+        if len(pre):
+            self._prefill(t + begin / 1000, pre, fed, chunk, feed_ms, price, batch)
+        if not len(dec):
             return []
-        r = req.replica[run]
-        need = np.maximum(req.output[run] - req.generated[run], 0.0)
-        gain = n_steps[r] * per_step[r]
-        req.generated[run] += gain
-        ends = need <= gain
-        fin, rf = run[ends], r[ends]
+        r = req.replica[dec]
+        steps = np.where(batch > 0, prefill_steps + decode_steps, 0.0)
+        need = np.maximum(req.output[dec] - req.generated[dec], 0.0)
+        req.generated[dec] += steps[r] * per_step[r]
+        ends = need <= steps[r] * per_step[r]
+        fin, rf = dec[ends], r[ends]
         if not len(fin):
             return []
-        begin = t + np.minimum(used_ms[rf], tick_ms) / 1000  # decoding starts after the prefill
-        done = np.maximum(begin + need[ends] / per_step[rf] * step_ms[rf] / 1000, req.first[fin])
+        m = need[ends] / per_step[rf]  # steps until its last token: the prefilling steps first, then plain ones
+        during = np.ceil(m - 1e-9) * feed_ms[rf] + np.minimum(np.ceil(m - 1e-9) * chunk[rf], fed[rf]) * price[rf]
+        after = prefill_ms[rf] + (m - prefill_steps[rf]) * step_ms[rf]
+        at_ms = begin[rf] + np.where(m <= prefill_steps[rf], during, after)
+        done = np.maximum(t + at_ms / 1000, req.first[fin])
         out = req.output[fin]
         self.done["e2e"].append(done - req.arrival[fin])
         self.done["ttft"].append(req.first[fin] - req.arrival[fin])
@@ -362,6 +395,33 @@ class _Fleet:
         keep[fin] = False
         req.keep(keep)
         return [(users, done)]
+
+    def _prefill(self, start: np.ndarray, pre: np.ndarray, fed: np.ndarray, chunk: np.ndarray, step_ms: np.ndarray,
+                 price: np.ndarray, batch: np.ndarray) -> None:
+        """Feed `fed` [R] prompt tokens to each replica's prefilling requests, first admitted first, from
+        `start` [R] (seconds; step_ms [R]: a feeding step before its tokens' price). A prompt
+        whose last token is fed gets its first token at the end of that step: after ceil(tokens fed up to
+        it / chunk) steps and those tokens' price; and not before its arrival, a step boundary (half a
+        step on average, when the replica is decoding) and its own prefill. A one-token answer is done then."""
+        req = self.req
+        pre = pre[np.lexsort((req.seq[pre], req.replica[pre]))]  # by replica, then admission (arrival) order
+        r, left = req.replica[pre], req.left[pre]
+        cum = np.cumsum(left)
+        run = np.searchsorted(r, r, side="left")  # first row of each replica's run
+        cum -= (cum[run] - left[run])  # cumulative within the replica
+        req.left[pre] = np.clip(cum - fed[r], 0.0, left)
+        done = req.left[pre] <= 1e-9
+        if not done.any():
+            return
+        now_in, ri, cum = pre[done], r[done], cum[done]
+        req.left[now_in] = 0.0
+        c, s, p = np.maximum(chunk[ri], 1), step_ms[ri], price[ri]
+        first = start[ri] + (np.ceil(cum / c - 1e-9) * s + cum * p) / 1000
+        own = req.prompt[now_in]
+        wait = np.where(batch[ri] > 0, 0.5 * s, 0.0)
+        arrived = req.arrival[now_in] + (wait + np.ceil(own / c - 1e-9) * s + own * p) / 1000
+        req.first[now_in] = np.maximum(first, arrived)
+        req.generated[now_in] = 1.0  # decoding from the next tick (a one-token answer finishes there, at `first`)
 
     def _log(self, t: float, batch: np.ndarray, ks: np.ndarray) -> None:
         """Mean batch size and k of busy replicas per hardware type, this tick."""

@@ -7,12 +7,27 @@ What is modelled, and how:
   output tokens).
 - Routing: the ingress's rule. The engine group with the fewest requests in flight per replica, then
   that group's replica with the fewest (or, `group-total`, the group with the fewest in all).
-- Each replica: the engine's continuous batching (max batch size, KV budget, FIFO admission). A
-  step's time comes from its hardware's latency grid at the current batch size and k (linear
-  between measured batch sizes), plus the switch cost when it resumes speculating after k = 0. A
-  step that admits requests adds their prefill: the profile's measured prefill per prompt token
-  at that many admissions (one plain forward in profiles without one). Each sequence gets 1 + accepted tokens, with acceptance drawn position by position
-  from the profile's per-position acceptance (extended by its per-token rate past the measured k).
+- Each replica: the engine's step (`serve_app/engine/scheduler.py`, `Engine.step`), with the engine's
+  settings (`EngineConfig` defaults unless given):
+  1. Admit waiting requests FIFO (no overtaking) while the batch allows (decoding + prefilling <
+     max batch) and the KV pool does: a request holds its context + max_k + 1 tokens in whole blocks
+     (`kv_tokens`), with a block of headroom per admitted request. Admitting costs nothing.
+  2. If the admitted outgrow the pool (contexts grow), the latest admitted goes back to the head of
+     the queue (preempted) and prefills its prompt + generated tokens again later.
+  3. k from the policy for the decoding batch, lowered so that batch * (k + 1) fits the step's token
+     budget (`max_num_batched_tokens`), less a block's worth while prompts are prefilling, then to the
+     grid's nearest measured k at or below.
+  4. What the budget leaves goes to prefill chunks of the admitted prompts, first admitted first, each
+     min(its remaining prompt, what is left).
+  5. The step's time: the decode step's latency from the grid at (batch, k) (linear between measured
+     batch sizes; a step that only prefills runs one forward: the batch-1, k = 0 step), plus the switch
+     cost when it resumes speculating after k = 0, plus, when it prefills, the profile's chunk price
+     at that batch (`LatencyGrid.chunk_ms`: a fixed part per step, and a part per prompt token fed;
+     profiles from before chunked prefill: their per-token prefill price; nothing without either).
+  6. Each decoding sequence gets 1 + accepted tokens, acceptance drawn position by position from the
+     profile's per-position acceptance (extended by its per-token rate past the measured k). A prompt
+     whose prefill completes gets its first token at the step's end and decodes from the next step.
+  Not modelled: prefix caching (every prompt prefills in full), EOS (answers run to their length).
 - k: the real policy objects (`serve_app/engine/policy.py`), told each step's statistics as in the engine.
 """
 
@@ -25,10 +40,14 @@ from collections import deque
 from dataclasses import dataclass, field
 
 
+from serve_app.config import EngineConfig
 from serve_app.engine.policy import BatchState, make_policy
 from serve_app.profiling.profiles import Profile
 from serve_app.engine.stats import StepStats
 from serve_app.sim.summary import marginal_acceptance, summarize
+
+ENGINE = EngineConfig()
+"""The engine's defaults: what the simulators assume where they are not told otherwise."""
 
 
 @dataclass
@@ -42,10 +61,13 @@ class Job:
     first_token: float | None = None
     done: float | None = None
     generated: int = 0
+    prefilled: int = 0  # context tokens in the KV: prefill progress (back to 0 when preempted)
+    preemptions: int = 0
 
     @property
-    def reserve(self) -> int:
-        return self.prompt_tokens + self.output_tokens
+    def context(self) -> int:
+        """Tokens the workers hold for it: the prompt and what it generated (prefilled again after a preemption)."""
+        return self.prompt_tokens + self.generated
 
 
 @dataclass
@@ -58,61 +80,110 @@ class Replica:
     kv_budget: int
     max_k: int
     rng: random.Random
+    block_size: int = ENGINE.block_size
+    max_num_batched_tokens: int = ENGINE.max_num_batched_tokens
     waiting: deque = field(default_factory=deque)
-    running: list = field(default_factory=list)
+    prefilling: list = field(default_factory=list)  # admitted, prompt partly in the KV, in admission order
+    running: list = field(default_factory=list)  # decoding, in admission order
     busy: bool = False
     last_k: int | None = None  # k of the last decode step (None: none yet)
-    steps: list = field(default_factory=list)  # (time, batch size, k) of every step
+    steps: list = field(default_factory=list)  # (time, decoding batch size, k, prefill tokens) of every step
 
     def __post_init__(self) -> None:
         self.marginal = marginal_acceptance(self.profile, self.max_k)
+        self.draft = self.policy.name != "none"  # the engine runs `none` without a draft (no draft prefill)
 
     @property
     def in_flight(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.prefilling) + len(self.running)
+
+    @property
+    def kv_capacity(self) -> int:
+        """KV tokens admission may hand out: whole blocks of the budget (`Engine.kv_capacity`)."""
+        return self.kv_budget // self.block_size * self.block_size
+
+    def kv_tokens(self, job: Job) -> int:
+        """Its context + one speculation window, in whole blocks (`Engine.kv_tokens`)."""
+        return -(-(job.context + self.max_k + 1) // self.block_size) * self.block_size
 
     def step(self, now: float) -> tuple[float, list[Job]]:
         """Run one engine step starting at `now`: returns its duration and the jobs it finished."""
-        admitted = []
-        reserved = sum(j.reserve for j in self.running)
-        while self.waiting and len(self.running) + len(admitted) < self.max_batch \
-                and reserved + self.waiting[0].reserve <= self.kv_budget:
-            job = self.waiting.popleft()
-            reserved += job.reserve
-            admitted.append(job)
+        self._admit()
+        self._fit_kv()
         grid = self.profile.latency
-        duration = 0.0
-        if admitted:  # their prefill gives their first token (priced per prompt token when measured)
-            prefill = grid.prefill_at(len(admitted), sum(j.prompt_tokens for j in admitted), self.policy.name != "none")
-            duration += (grid.step_ms(len(admitted))[0] if prefill is None else prefill) / 1000
-            for j in admitted:
-                j.generated, j.first_token = 1, now + duration
-        self.running += admitted  # as in Engine.step: the admitted join this step's decode too
-        decoding = [j for j in self.running if j.generated < j.output_tokens]
-        st = StepStats()
+        decoding, k = list(self.running), 0
         if decoding:
-            k = self.policy.choose(BatchState(len(decoding), self.max_k, True))
-            k = max((x for x in grid.ks if x <= k), default=0)  # the grid's nearest measured k at or below
-            duration += grid.step_ms(len(decoding))[grid.ks.index(k)] / 1000
-            if k and self.last_k == 0:  # resuming speculation: the draft feeds the tokens it skipped
-                duration += grid.resume_at(len(decoding)) / 1000
-            self.last_k = k
-            st.batch_size, st.k, st.proposed = len(decoding), k, k * len(decoding)
-            st.accepted_per_position = [0] * k
-            for j in decoding:
-                n = self._accepted(k)
-                st.accepted += n
-                for i in range(n):
-                    st.accepted_per_position[i] += 1
-                j.generated = min(j.generated + 1 + n, j.output_tokens)
-            st.generated = st.batch_size + st.accepted
-            self.policy.observe(st)
-        self.steps.append((now, len(decoding), st.k))
+            k = self.policy.choose(BatchState(len(decoding), self.max_k, self.draft))
+            # within the token budget, keeping a block's worth for prompts being prefilled (`Engine.step`)
+            keep = min(self.block_size, self.max_num_batched_tokens - len(decoding)) if self.prefilling else 0
+            k = max(0, min(k, (self.max_num_batched_tokens - keep) // len(decoding) - 1))
+            k = max(x for x in grid.ks if x <= k)  # the grid's nearest measured k at or below (ks start at 0)
+        chunks = self._plan_chunks(self.max_num_batched_tokens - len(decoding) * (k + 1))
+        prefill_tokens = sum(n for _, n in chunks)
+        # one forward feeds the decode rows and the chunks: the decode step's time, plus the chunks' tokens
+        ms = grid.step_ms(len(decoding))[grid.ks.index(k)] if decoding else grid.step_ms(1)[0]
+        if decoding and k and self.last_k == 0:  # resuming speculation: the draft feeds the tokens it skipped
+            ms += grid.resume_at(len(decoding))
+        if prefill_tokens:
+            ms += grid.chunk_ms(max(len(decoding), 1), prefill_tokens, self.draft) or 0.0
+        duration = max(ms / 1000, 1e-6)
+        if decoding:
+            self._decode(decoding, k)
+        for job, n in chunks:  # a prompt whose prefill completes: its first token, decoding from the next step
+            job.prefilled += n
+            if job.prefilled == job.context:
+                self.prefilling.remove(job)
+                self.running.append(job)
+                job.generated += 1
+                if job.first_token is None:
+                    job.first_token = now + duration
+        self.steps.append((now, len(decoding), k, prefill_tokens))
         finished = [j for j in self.running if j.generated >= j.output_tokens]
         for j in finished:
             j.done = now + duration
         self.running = [j for j in self.running if j.generated < j.output_tokens]
-        return max(duration, 1e-6), finished
+        return duration, finished
+
+    def _admit(self) -> None:
+        """FIFO while the batch and the KV pool allow, a block of headroom per admitted request (`Engine._admit`)."""
+        room = self.kv_capacity - sum(self.kv_tokens(j) for j in self.prefilling + self.running)
+        while self.waiting and len(self.running) + len(self.prefilling) < self.max_batch:
+            need = self.kv_tokens(self.waiting[0])
+            if need + self.block_size * (len(self.running) + len(self.prefilling)) > room:
+                break
+            self.prefilling.append(self.waiting.popleft())
+            room -= need
+
+    def _fit_kv(self) -> None:
+        """Preempt the latest admitted while the admitted outgrow the pool (`Engine._fit_kv`)."""
+        while sum(self.kv_tokens(j) for j in self.prefilling + self.running) > self.kv_capacity \
+                and len(self.prefilling) + len(self.running) > 1:
+            job = (self.prefilling or self.running).pop()
+            job.prefilled, job.preemptions = 0, job.preemptions + 1
+            self.waiting.appendleft(job)
+
+    def _plan_chunks(self, budget: int) -> list[tuple[Job, int]]:
+        """Prompt tokens each prefilling job feeds this step, first admitted first (`Engine._plan_chunks`)."""
+        chunks = []
+        for job in self.prefilling:
+            if budget <= 0:
+                break
+            chunks.append((job, min(job.context - job.prefilled, budget)))
+            budget -= chunks[-1][1]
+        return chunks
+
+    def _decode(self, decoding: list[Job], k: int) -> None:
+        """Every decoding job gains 1 + accepted tokens; the policy observes the step."""
+        st = StepStats(batch_size=len(decoding), k=k, proposed=k * len(decoding), accepted_per_position=[0] * k)
+        for j in decoding:
+            n = self._accepted(k)
+            st.accepted += n
+            for i in range(n):
+                st.accepted_per_position[i] += 1
+            j.generated = min(j.generated + 1 + n, j.output_tokens)
+        st.generated = st.batch_size + st.accepted
+        self.last_k = k
+        self.policy.observe(st)
 
     def _accepted(self, k: int) -> int:
         """Draft tokens accepted in one step at k: position i is accepted, given all before it were,
@@ -154,7 +225,7 @@ class SimResult:
         """Per hardware type: (second, mean batch size, mean k) over that second's decode steps."""
         bins: dict[str, dict[int, list[tuple[int, int]]]] = {}
         for r in self.replicas:
-            for t, b, k in r.steps:
+            for t, b, k, _ in r.steps:
                 if b:
                     bins.setdefault(r.group, {}).setdefault(int(t), []).append((b, k))
         return {g: (sorted(x), [sum(b for b, _ in x[i]) / len(x[i]) for i in sorted(x)],
@@ -164,11 +235,14 @@ class SimResult:
 def simulate(fleet: dict[str, int], profiles: dict[str, Profile], policy: str, *, users_at=None, duration_s: float = 60.0,
              trace: list[tuple[float, int, int]] | None = None, prompt_tokens: "int | tuple[int, int]" = 64,
              output_tokens: "int | tuple[int, int]" = 64,
-             max_batch: int = 8, kv_budget: int = 65536, max_k: int = 8, seed: int = 0,
-             route: str = "least-loaded") -> SimResult:
+             max_batch: int = ENGINE.max_batch_size, kv_budget: int = ENGINE.max_num_tokens, max_k: int = ENGINE.max_k,
+             block_size: int = ENGINE.block_size, max_num_batched_tokens: int = ENGINE.max_num_batched_tokens,
+             seed: int = 0, route: str = "least-loaded") -> SimResult:
     """Simulate `fleet` ({hardware type: replicas}) under closed-loop users (`users_at(t)`, re-read
     every second of simulated time, for `duration_s`) or an open-loop `trace`. Closed-loop requests
-    have `prompt_tokens` / `output_tokens` tokens: a count, or (low, high) drawn uniformly per request."""
+    have `prompt_tokens` / `output_tokens` tokens: a count, or (low, high) drawn uniformly per request.
+    Every replica runs the engine with these settings (`EngineConfig`: max_batch_size, max_num_tokens,
+    max_k, block_size, max_num_batched_tokens; its defaults unless given)."""
     if (users_at is None) == (trace is None):
         raise ValueError("give exactly one of users_at (closed loop) or trace (open loop)")
     if route not in ("least-loaded", "group-total"):
@@ -176,14 +250,22 @@ def simulate(fleet: dict[str, int], profiles: dict[str, Profile], policy: str, *
     missing = [t for t in fleet if t not in profiles or profiles[t].latency is None]
     if missing:
         raise ValueError(f"no profile with a latency grid for hardware types {missing}")
+    engine = EngineConfig(max_batch_size=max_batch, max_num_tokens=kv_budget, max_k=max_k, block_size=block_size,
+                          max_num_batched_tokens=max_num_batched_tokens)  # the engine's own checks
+    top = lambda x: max(x) if isinstance(x, tuple) else x  # noqa: E731
+    longest = max(p + o for _, p, o in trace) if trace else top(prompt_tokens) + top(output_tokens)
+    if longest + max_k + 1 > kv_budget // block_size * block_size:  # `Engine.submit` refuses such a request
+        raise ValueError(f"a request of {longest} prompt + output tokens does not fit the KV budget "
+                         f"({kv_budget} tokens) alone")
     rng = random.Random(seed)
     lengths = random.Random(seed + 1)
 
     def draw(tokens) -> int:  # a fixed count, or (low, high): uniform, inclusive
         return tokens if isinstance(tokens, int) else lengths.randint(*tokens)
 
-    replicas = [Replica(i, gpu, profiles[gpu], make_policy(policy, profiles[gpu]), max_batch, kv_budget, max_k,
-                        random.Random(rng.random()))
+    replicas = [Replica(i, gpu, profiles[gpu], make_policy(policy, profiles[gpu]), engine.max_batch_size,
+                        engine.max_num_tokens, engine.max_k, random.Random(rng.random()), engine.block_size,
+                        engine.max_num_batched_tokens)
                 for i, (gpu, n) in enumerate((g, n) for g, count in fleet.items() for n in range(count))]
     for i, r in enumerate(replicas):
         r.index = i
