@@ -592,12 +592,11 @@ def _cmd_bench_batching(args) -> int:
 
 def _cmd_bench_kv_memory(args) -> int:
     from serve_app.bench.kvmem import kv_memory, markdown, write
-    from serve_app.profiling.profiles import detect_gpu_type
 
     results = [kv_memory(args.target)]
     results += [kv_memory(shape=s.strip(), layers=args.layers) for s in args.shapes.split(",") if s.strip()]
     print(markdown(results))
-    print("results:", ", ".join(write(results, args.out or f"results/kv-memory-{detect_gpu_type()}")))
+    print("results:", ", ".join(write(results, args.out)))
     return 0
 
 

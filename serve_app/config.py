@@ -63,11 +63,15 @@ class EngineConfig(BaseModel):
     block_size: int = Field(16, ge=1, le=1024)
     """Tokens per KV block: the unit of KV allocation and of prefix caching."""
 
-    max_num_batched_tokens: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(128, ge=1)
     """Per-step token budget, the balance between waiting and served requests: the target's forward feeds
     (k + 1) tokens per decoding sequence (k is lowered to fit) and gives what is left to chunks of
     prompts being prefilled. Smaller: running streams stall less while a long prompt prefills; larger:
-    long prompts reach their first token sooner. Must be at least max_batch_size."""
+    long prompts reach their first token sooner. Must be at least max_batch_size. The default comes
+    from `specserve bench batching --scenarios C` on a 2-core CPU with the embedded pair (16 streams,
+    a 2,000-token prompt arriving): 96-128 keeps the streams' largest gap near 3x their median with a
+    2-s first token; on a GPU, where a forward costs about the same from 1 to several hundred tokens,
+    raise it (512-2048) after running the same curve there."""
 
     prefix_caching: bool = True
     """Share the KV of identical prompt prefixes (whole blocks) between requests, keeping blocks of

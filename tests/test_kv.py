@@ -55,9 +55,14 @@ def test_cached_blocks_outlive_their_sequence_until_memory_is_needed():
         kv.reserve("d", 1)
 
 
-def test_packed_forward_matches_the_model_alone(tiny_target):
+@pytest.mark.parametrize("short_context", [256, 4], ids=["one-group", "grouped-by-context"])
+def test_packed_forward_matches_the_model_alone(tiny_target, monkeypatch, short_context):
     """Rows at different positions, one of them a long chunk, in one packed forward: each row's logits
-    are the plain model's over its whole context."""
+    are the plain model's over its whole context (short rows in one attention call, or split by context
+    length)."""
+    from serve_app.engine import kv
+
+    monkeypatch.setattr(kv, "SHORT_CONTEXT", short_context)
     w = ModelWorker(tiny_target, "target")
     w.configure_kv(block_size=4, max_blocks=256)
     prompts = {"a": list(range(3, 13)), "b": [5, 6], "c": list(range(10, 90))}
@@ -99,6 +104,7 @@ def test_rollback_is_only_a_length(tiny_target):
     w = ModelWorker(tiny_target, "target")
     w.configure_kv(block_size=4, max_blocks=256)
     w.add(["s"], [[1, 2, 3]], [SamplingParams()])
+    w.cache.ensure(8)  # room for the drafts below, so any new storage would be a copy
     w.verify(["s"], Proposal.empty(1))
     seq = w.seqs["s"]
     first = seq.tokens[-1]

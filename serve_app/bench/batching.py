@@ -97,7 +97,7 @@ class BatchingBench(BaseModel):
     """B: requests sharing it, sent one after the other."""
     max_tokens: int = Field(48, ge=1)
     """B: tokens per answer (greedy)."""
-    budgets: list[int] = [32, 64, 128, 256, 512, 1024, 4096]
+    budgets: list[int] = [48, 64, 96, 128, 192, 256, 512, 2048]
     """C: per-step token budgets (max_num_batched_tokens), each at least batch_size."""
     rounds: int = Field(1, ge=1)
     """C: rounds over all budgets (order rotated per round); medians over rounds."""

@@ -11,9 +11,7 @@ Runs in process, no Ray: the embedded pair, or a random model at a real shape wi
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 
 from tqdm import tqdm
 
@@ -51,7 +49,8 @@ def worker_memory(worker) -> dict:
 def run_kv_memory(engine: Engine, lengths: list[int], vocab: int, decode_steps: int = 3) -> dict:
     rng = random.Random(1)
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
-    reqs = [engine.submit(p, SamplingParams(max_tokens=decode_steps * 8 + 8, ignore_eos=True)) for p in prompts]
+    # long enough outputs that no stream ends while the longest prompt prefills; cancelled once measured
+    reqs = [engine.submit(p, SamplingParams(max_tokens=1000, ignore_eos=True)) for p in prompts]
     with tqdm(total=sum(lengths), desc="prefill", unit="tok") as bar:
         while engine.waiting or engine.prefilling:
             before = sum(r.prefilled for r in reqs)
@@ -64,7 +63,9 @@ def run_kv_memory(engine: Engine, lengths: list[int], vocab: int, decode_steps: 
     out = {"lengths": lengths, "target": worker_memory(engine.target)}
     if engine.draft is not None and hasattr(engine.draft, "cache"):
         out["draft"] = worker_memory(engine.draft)
-    engine.run(reqs)
+    for r in reqs:
+        engine.abort(r)
+    engine.step()  # the cancelled leave the batch; their blocks go back
     return out
 
 
@@ -106,9 +107,9 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(results: list[dict], out: str) -> list[str]:
-    base = Path(out)
-    base.parent.mkdir(parents=True, exist_ok=True)
-    base.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    base.with_suffix(".md").write_text(markdown(results))
-    return [str(base.with_suffix(".json")), str(base.with_suffix(".md"))]
+def write(results: list[dict], out: str | None) -> list[str]:
+    """OUT.json (with provenance) and OUT.md (default results/kv-memory-<hardware type>)."""
+    from serve_app.bench.rounds import default_stem, write_results
+
+    paths = write_results(out or default_stem("kv-memory"), {"runs": results}, markdown(results))
+    return [str(p) for p in paths]

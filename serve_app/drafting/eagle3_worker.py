@@ -44,6 +44,30 @@ class EagleWorker(ModelWorker):
             raise ValueError("an EAGLE-3 draft needs the target's features: the target must capture "
                              f"layers {self.model.feature_layers}")
         self._take(seq_ids, features)
+        self._feed_known(seq_ids)
+
+    @torch.inference_mode()
+    def _feed_known(self, seq_ids) -> None:
+        """Feed the layer the positions whose feature and next token are both known (a prompt's, chunk by
+        chunk as the target prefills it), so the first proposal has only the last prompt position left."""
+        rows, fed, feats = [], [], []
+        for sid in seq_ids:
+            s = self.seqs[sid]
+            have = torch.cat(s.extra["features"]) if s.extra["features"] else None
+            n = 0 if have is None else min(len(have), len(s.tokens) - 1 - s.kv_len)
+            if n > 0:
+                rows.append(sid)
+                fed.append(s.tokens[s.kv_len + 1 : s.kv_len + 1 + n])
+                feats.append(have[:n])
+                s.extra["features"] = [have[n:]] if len(have) > n else []
+        if not rows:
+            return
+        t0 = time.perf_counter()
+        fused = self.model.fuse(torch.cat(feats).to(self.device))  # [T, H], packed like the fed tokens
+        self.timings["forward_s"] += time.perf_counter() - t0
+        self._step(rows, fed, [self.seqs[sid].kv_len for sid in rows], fused, 1)
+        for sid, f in zip(rows, fed):
+            self.seqs[sid].kv_len += len(f)
 
     def commit(self, seq_ids, new_tokens, features=None) -> None:
         """Append the accepted tokens and the target's features of the positions it made final (None

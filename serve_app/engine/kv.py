@@ -16,7 +16,7 @@ A forward is packed: the fed tokens of all sequences form one row [1, T] through
 layers (no padding compute: a 512-token prefill chunk and 32 decode rows cost 512 + 32 * (k + 1)
 tokens), and attention (`paged_attention`, registered with transformers' AttentionInterface) reads
 each sequence's keys and values from its blocks: short rows (decoding, verifying) together in one
-padded SDPA call, each long row (a prefill chunk) in its own.
+padded SDPA call, each longer row (a prefill chunk) in its own.
 
 Why not transformers' own paged cache (generation/continuous_batching): its SDPA path attends over the
 whole packed batch with a [T, total keys] mask (the batch's cost squared) and its fast path needs the
@@ -40,8 +40,12 @@ ATTENTION = "specserve_paged"
 TRASH = 0
 """Block 0 is never handed out: padded reads in a batched attention call point there (masked)."""
 
-LONG_ROW = 64
-"""Rows feeding more tokens than this (prefill chunks) get their own attention call."""
+SHORT_CONTEXT = 256
+"""Short rows whose contexts are all under twice this many tokens share one call whatever their spread."""
+
+SHORT_ROW = 16
+"""Rows feeding at most this many tokens (or twice the fewest any row feeds) share one attention call;
+longer ones (prefill chunks) get their own."""
 
 
 class OutOfBlocks(RuntimeError):
@@ -110,6 +114,15 @@ class PagedKV(Cache):
         table = self.tables.setdefault(sid, [])
         while len(table) * self.block_size < end:
             table.append(self._take())
+
+    def ensure(self, blocks: int) -> None:
+        """Grow the pool now (with an eighth of slack) if `blocks` more than those held would not fit:
+        called when prompts are admitted, so a long prompt's pool growth (a copy of every layer's pool)
+        happens once, not every few chunks of its prefill."""
+        want = min(self.max_blocks, (1 + len(self.refs) + blocks) * 9 // 8)
+        if want > self.num_blocks:
+            self.free[:0] = range(want - 1, self.num_blocks - 1, -1)  # new blocks are taken after the old
+            self.num_blocks = want
 
     def trim(self, sid: str, kv_len: int) -> None:
         """Give back sid's blocks past its valid KV (speculative positions rolled back)."""
@@ -263,13 +276,19 @@ def pack(cache: PagedKV, sids: list[str], fed: list[list[int]], starts: list[int
         pos.append(p)
         slots.append(table[p // bs] * bs + p % bs)
     pos_t = torch.cat(pos)
-    groups = []
-    short = [r for r in rows if r[2] <= LONG_ROW]
-    if short:
-        groups.append(_group(cache, short, pos_t))
-    for r in rows:
-        if r[2] > LONG_ROW:
-            groups.append(_group(cache, [r], pos_t))
+    # Rows feeding about as few tokens as the shortest (decoding, verifying) share padded attention calls,
+    # grouped by context length (within 2x of each other) so short contexts do not pad to a long one's;
+    # a row feeding many more (a prefill chunk) gets its own call, so nobody pads to its width.
+    width = max(SHORT_ROW, 2 * min(r[2] for r in rows))
+    groups, group = [], []
+    for r in sorted((r for r in rows if r[2] <= width), key=lambda r: r[3] + r[2]):
+        if group and r[3] + r[2] > 2 * max(SHORT_CONTEXT, group[0][3] + group[0][2]):
+            groups.append(_group(cache, group, pos_t))
+            group = []
+        group.append(r)
+    if group:
+        groups.append(_group(cache, group, pos_t))
+    groups += [_group(cache, [r], pos_t) for r in rows if r[2] > width]
     batch = PackedBatch(torch.cat(slots), groups, cache)
     batch = batch.on(torch.device(device))
     return (torch.tensor([ids], device=device), pos_t[None].to(device), batch)
