@@ -73,6 +73,11 @@ class Request:
         """What the workers hold for it: the prompt, plus what it generated before a resume."""
         return self.prompt_ids + self.output_ids
 
+    @property
+    def context_len(self) -> int:
+        """len(context()) without building it (the scheduler asks every step, for every request)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
 
 class Engine:
     def __init__(
@@ -131,7 +136,7 @@ class Engine:
         """KV tokens a request may hold by the end of the next step: its context and one speculation
         window, in whole blocks (shared prefix blocks counted for every holder: an upper bound)."""
         bs = self.config.block_size
-        return -(-(len(req.context()) + self.config.max_k + 1) // bs) * bs
+        return -(-(req.context_len + self.config.max_k + 1) // bs) * bs
 
     @property
     def reserved(self) -> int:
@@ -309,7 +314,7 @@ class Engine:
         for r in self.prefilling:
             if budget <= 0:
                 break
-            chunks[r.id] = min(len(r.context()) - r.prefilled, budget)
+            chunks[r.id] = min(r.context_len - r.prefilled, budget)
             budget -= chunks[r.id]
         return chunks
 
@@ -342,7 +347,7 @@ class Engine:
             r.prefilled = c
             r.stats.cached_tokens += c
         st.admitted = len(new)
-        st.prefix_queried = sum((len(r.context()) - 1) // self.config.block_size * self.config.block_size for r in new)
+        st.prefix_queried = sum((r.context_len - 1) // self.config.block_size * self.config.block_size for r in new)
         st.prefix_hits = sum(cached)
 
     def _fit_kv(self, st: StepStats) -> None:

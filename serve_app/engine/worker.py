@@ -518,8 +518,9 @@ class LazyLogits:
 def _backlog_agreement(seqs: list[Sequence], fed: list[list[int]], logits: torch.Tensor) -> tuple[int, int]:
     """(checked, matched) of the draft's greedy next-token predictions over its pending tokens.
 
-    logits [B, W, V] belong to the last W fed positions (rows are left-padded): the prediction at a
-    pending token is checked against the pending token after it, which the target already committed.
+    logits [B, W, V] belong to the last W fed positions (a row with fewer repeats its first on the left,
+    as `_last` picks them): the prediction at a pending token is checked against the pending token after
+    it, which the target already committed.
     """
     w = logits.shape[1]
     pred = logits[:, :-1].max(dim=-1).indices.tolist() if w > 1 else [[] for _ in seqs]  # [B, W-1]
