@@ -134,8 +134,7 @@ def test_memory_follows_tokens_not_the_longest_row(tiny_target):
 
 
 def _kv(w, sid):
-    seq, bs = w.seqs[sid], w.cache.block_size
-    slots = torch.tensor([w.cache.tables[sid][p // bs] * bs + p % bs for p in range(seq.kv_len)])
+    slots = w.cache.slots(sid, torch.arange(w.seqs[sid].kv_len))
     return torch.stack([k[slots] for k in w.cache.keys]).clone()
 
 

@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from serve_app.bench.service import service
 from serve_app.bench.shapes import save_eagle3_dir, save_model_dir
 
 STREAM_TOKENS = 48
@@ -79,8 +76,6 @@ async def _streams(url: str, mix: str, prompts: list[list[int]]) -> list[list[fl
 
 def run_serve(cfg, models, prompts: list[list[int]], port: int = 8321, metrics_port: int = 8322) -> list[dict]:
     """One row per mix at the largest batch size: per-stream TPOT (median, range) and the Router's step."""
-    import httpx
-
     batch = max(cfg.batch_sizes)
     rows = []
     with tempfile.TemporaryDirectory(prefix="specserve-bench-serve-") as root:
@@ -92,23 +87,9 @@ def run_serve(cfg, models, prompts: list[list[int]], port: int = 8321, metrics_p
         else:
             _quiet_eos(models.draft, eos)
             draft = save_model_dir(models.draft, models.tokenizer, Path(root) / "draft")
-        cmd = [sys.executable, "-m", "serve_app.cli", "serve", "--target", target, "--draft", draft, "--dtype", models.dtype,
-               "--device", cfg.device, "--policy", f"fixed:{cfg.k}", "--batch-size", str(batch), "--port", str(port),
-               "--metrics-port", str(metrics_port), "--drain-timeout", "1"]
-        log = open(Path(root) / "serve.log", "w")
-        srv = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.time() + 300
-            while True:
-                try:
-                    if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.time() > deadline or srv.poll() is not None:
-                    raise RuntimeError(f"specserve serve did not become ready; see {log.name}")
-                time.sleep(1)
+        flags = ["--target", target, "--draft", draft, "--dtype", models.dtype, "--device", cfg.device,
+                 "--policy", f"fixed:{cfg.k}", "--batch-size", str(batch)]
+        with service(flags, port, ready_s=300, metrics_port=metrics_port) as (url, _):
             asyncio.run(_streams(url, "greedy", prompts[:batch]))  # warm-up: first forwards, allocations
             for mix in cfg.mixes:
                 time.sleep(6)  # Ray's metrics export lags a few seconds
@@ -121,13 +102,6 @@ def run_serve(cfg, models, prompts: list[list[int]], port: int = 8321, metrics_p
                              "tpot_ms": {"median": 1e3 * statistics.median(tpot), "min": 1e3 * min(tpot), "max": 1e3 * max(tpot)}
                              if tpot else None,
                              "router_step_ms": 1e3 * (s1 - s0) / (c1 - c0) if c1 > c0 else None})
-        finally:
-            os.killpg(srv.pid, signal.SIGTERM)
-            try:
-                srv.wait(90)
-            except subprocess.TimeoutExpired:
-                os.killpg(srv.pid, signal.SIGKILL)
-            log.close()
     greedy = next((r for r in rows if r["mix"] == "greedy" and r["tpot_ms"]), None)
     for r in rows:
         if greedy and r["tpot_ms"]:

@@ -149,6 +149,11 @@ class PagedKV(Cache):
             self._drop(block)
         self.chains.pop(sid, None)
 
+    def slots(self, sid: str, positions: torch.Tensor) -> torch.Tensor:  # [N] positions -> [N] pool slots
+        """Where positions of sequence sid live in the pool (its table must cover them)."""
+        bs = self.block_size
+        return torch.tensor(self.tables[sid], dtype=torch.long)[positions // bs] * bs + positions % bs
+
     def held_blocks(self) -> int:
         """Blocks some sequence holds (shared ones once)."""
         return len(self.refs)
@@ -261,7 +266,6 @@ def pack(cache: PagedKV, sids: list[str], fed: list[list[int]], starts: list[int
     """input_ids [1, T] and position_ids [1, T] of every row's fed tokens in order (row b feeds fed[b]
     at positions starts[b], starts[b] + 1, ...), with blocks reserved for them; and the PackedBatch
     that tells `paged_attention` where they go. Rows feeding nothing are left out."""
-    bs = cache.block_size
     ids, pos, slots = [], [], []
     rows = []  # (sid, offset into the packed tokens, n, start)
     for sid, tokens, start in zip(sids, fed, starts):
@@ -269,12 +273,11 @@ def pack(cache: PagedKV, sids: list[str], fed: list[list[int]], starts: list[int
         if not n:
             continue
         cache.reserve(sid, start + n)
-        table = torch.tensor(cache.tables[sid], dtype=torch.long)
         p = torch.arange(start, start + n)
         rows.append((sid, len(ids), n, start))
         ids += tokens
         pos.append(p)
-        slots.append(table[p // bs] * bs + p % bs)
+        slots.append(cache.slots(sid, p))
     pos_t = torch.cat(pos)
     # Rows feeding about as few tokens as the shortest (decoding, verifying) share padded attention calls,
     # grouped by context length (within 2x of each other) so short contexts do not pad to a long one's;

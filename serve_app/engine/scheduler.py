@@ -4,8 +4,9 @@
 blocks allow, ask the policy for k, draft proposes, target verifies in one forward, which also
 prefills the next chunks of admitted prompts within the step's token budget (the waiting-served
 balance: `EngineConfig.max_num_batched_tokens`), both commit, stream what was accepted, evict what
-finished. A prompt whose prefill finished joins the decoding batch with its first token. `Engine.generate()` streams one request's outputs as an async
-iterator; a background task runs steps in a worker thread while any request is in flight.
+finished. A prompt whose prefill finished joins the decoding batch with its first token.
+`Engine.generate()` streams one request's outputs as an async iterator; a background task runs steps
+in a worker thread while any request is in flight.
 
 A failed step (a worker crashed) loses no request: what the step made final still streams, the
 running requests go back to the head of the queue with prompt + generated-so-far as their context,
@@ -253,8 +254,8 @@ class Engine:
             t = time.perf_counter()
             verdict = self.target.verify(ids, proposal, chunks or None)
             st.verify_s += time.perf_counter() - t
-            st.scheduled_tokens = len(ids) * (k + 1) + sum(chunks.values())
             st.prefill_tokens = sum(chunks.values())
+            st.scheduled_tokens = len(ids) * (k + 1) + st.prefill_tokens
             features, chunk_features = split_rows(verdict.features, len(ids))
             logprobs = verdict.logprobs or [None] * (len(ids) + len(chunks))
             if ids:

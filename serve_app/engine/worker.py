@@ -108,7 +108,6 @@ class ModelWorker:
         if getattr(model.config, "attn_logit_softcapping", None):
             raise ValueError(f"{role} model soft-caps attention logits, which specserve's paged attention does not")
         self.cache = PagedKV()
-        self.cache_prefixes = True  # as configured; `shares_prefixes` may still say no
         self.kept: torch.Tensor | None = None  # [slots, F] bfloat16 target features beside the KV (EAGLE drafts)
         self._slots: torch.Tensor | None = None  # pool slots of the last forward's packed tokens
         self.seqs: dict[str, Sequence] = {}
@@ -132,7 +131,6 @@ class ModelWorker:
         if self.seqs:
             raise RuntimeError(f"{self.role}: configure the KV cache before adding sequences")
         self.cache = PagedKV(block_size, max_blocks, prefix_caching and self.shares_prefixes())
-        self.cache_prefixes = prefix_caching
         self.kept = None
 
     def shares_prefixes(self) -> bool:
@@ -351,7 +349,7 @@ class ModelWorker:
         for b, sid in enumerate(ids):
             cached = self.seqs[sid].extra.pop("kept_features", 0)
             if cached:
-                slots = self._slots_of(sid, cached).to(self.kept.device)
+                slots = self.cache.slots(sid, torch.arange(cached)).to(self.kept.device)
                 rows[b] = torch.cat([self.kept[slots].cpu(), rows[b]])
         return rows
 
@@ -365,12 +363,6 @@ class ModelWorker:
                 grown[: self.kept.shape[0]] = self.kept
             self.kept = grown
         self.kept.index_copy_(0, self._slots.to(h.device), h)
-
-    def _slots_of(self, sid: str, n: int) -> torch.Tensor:
-        """Pool slots of positions [0, n) of a sequence."""
-        bs, table = self.cache.block_size, torch.tensor(self.cache.tables[sid], dtype=torch.long)
-        p = torch.arange(n)
-        return table[p // bs] * bs + p % bs
 
     def info(self) -> dict:
         """What the engine needs to know about this model without holding it."""
