@@ -250,7 +250,7 @@ class Router:
             self.m_requests.inc(tags={"status": "400"})
             yield {"error": f"{'.'.join(map(str, err['loc']))}: {err['msg']}", "status": 400}
             return
-        text, token_ids, logprobs = [], [], []
+        text, token_ids, logprobs, prompt_lps = [], [], [], None
         recorded = False  # a final output was counted: a caller leaving after it is not a 499 too
         try:
             # aclosing: when the caller leaves, the engine stream's `finally` aborts the request now
@@ -266,9 +266,11 @@ class Router:
                     text.append(out.text)
                     token_ids += out.token_ids
                     logprobs += out.logprobs or []
+                    prompt_lps = prompt_lps or out.prompt_logprobs
                     if out.finished:
                         out.text, out.token_ids = "".join(text), token_ids
                         out.logprobs = logprobs if sampling.logprobs is not None else None
+                        out.prompt_logprobs = prompt_lps
                         yield self._event(out)
         except ValueError as e:  # refused by Engine.submit before anything was generated
             self.m_requests.inc(tags={"status": "400"})
@@ -287,6 +289,8 @@ class Router:
         ev = {"text": out.text, "token_ids": out.token_ids, "finished": out.finished, "finish_reason": out.finish_reason}
         if out.logprobs is not None:
             ev["logprobs"] = out.logprobs
+        if out.prompt_logprobs is not None:
+            ev["prompt_logprobs"] = out.prompt_logprobs
         if out.error:
             ev.update(error=out.error, status=503)
             if out.retry_after_s:

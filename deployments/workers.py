@@ -48,6 +48,7 @@ class _ModelHost:
             draft, tokenizer = load_draft_for_host(mc)
             self.worker = draft_worker(draft, tokenizer.pad_token_id or 0)
 
+        self.worker.tokenizer = tokenizer  # structured outputs: grammar masks over the vocabulary's strings
         self.worker.flush_denormals = False  # on for the whole process already (above)
         self.direct_bytes = 0
 
@@ -137,6 +138,9 @@ class RemoteWorker:
 
     def commit(self, seq_ids, new_tokens, features=None):
         return self._call("commit", seq_ids, new_tokens, features)
+
+    def prompt_logprobs(self, ids, top):
+        return self._call("prompt_logprobs", ids, top)
 
     def capture_features(self, layers):
         return self._call("capture_features", layers)

@@ -106,6 +106,37 @@ class EngineConfig(BaseModel):
         return self
 
 
+class StructuredOutput(BaseModel):
+    """Exactly one kind of constraint on a request's output (vLLM's structured outputs)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_schema: dict | None = None
+    """The output is JSON that validates against this JSON schema."""
+
+    json_object: bool = False
+    """The output is a JSON object (any keys)."""
+
+    regex: str | None = None
+    """The output matches this regular expression (whole output)."""
+
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+
+    grammar: str | None = None
+    """The output follows this Lark grammar (llguidance's dialect)."""
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutput":
+        given = [n for n in ("json_schema", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json_schema, json_object, regex, choice or grammar (got {given or 'none'})")
+        if self.choice is not None and (not self.choice or any(not c for c in self.choice)):
+            raise ValueError("choice: a non-empty list of non-empty strings")
+        return self
+
+
 class SamplingParams(BaseModel):
     """One request's decoding settings (OpenAI-style names)."""
 
@@ -137,6 +168,50 @@ class SamplingParams(BaseModel):
 
     ignore_eos: bool = False
     """Keep generating past the end-of-sequence token (benchmarks use it for fixed-length outputs)."""
+
+    # ---- controls: applied to the logits in draft and target alike, at every drafted position ----
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+    """Token id -> value added to its logit before warping (OpenAI: -100 bans a token, 100 forces it)."""
+
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    """Subtracted once from the logit of every token that already appears in the output."""
+
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    """Subtracted from a token's logit once per time it already appears in the output."""
+
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    """vLLM / CTRL style: logits of tokens seen in the prompt or the output are divided by it when
+    positive and multiplied by it when negative; 1 is off."""
+
+    min_tokens: int = Field(0, ge=0)
+    """End-of-sequence and `stop_token_ids` are banned (and stop strings not checked) until this many
+    tokens have been generated."""
+
+    stop_token_ids: list[int] = Field(default_factory=list)
+    """Generation also ends (reason "stop") after any of these token ids; the token is kept in the output."""
+
+    bad_words: list[str] = Field(default_factory=list)
+    """Words never generated: the last token of each word's tokenization is banned wherever the tokens
+    before it have just been generated (vLLM's semantics; with and without a leading space)."""
+
+    structured: "StructuredOutput | None" = None
+    """Constrain the output to a grammar (JSON schema, any JSON object, regex, choice or Lark): the
+    mask applies to the draft's proposals and the target's verification at every position."""
+
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    """Also return the target's log-probability of every prompt token after the first, with this many
+    alternatives (completions `echo` with `logprobs`): the first event carries them."""
+
+    # ---- filled by the engine when a request is submitted (the HTTP layer never sends these) ----
+    prompt_len: int | None = None
+    """Where the request's output starts in the context the workers hold (prompt + output after a
+    preemption or resume): penalties, min_tokens and the grammar count only generated tokens."""
+
+    eos_token_ids: list[int] = Field(default_factory=list)
+    """The model's end-of-sequence ids, banned before `min_tokens`."""
+
+    bad_words_ids: list[list[int]] = Field(default_factory=list)
+    """`bad_words` as token-id sequences."""
 
     @field_validator("stop")
     @classmethod

@@ -283,6 +283,7 @@ def verify_walk(
     q_values: torch.Tensor | None,  # [B, k, N] the draft's q for unseeded sampled rows (zeros elsewhere)
     q_ids: torch.Tensor | None,  # [B, k, N] its token ids
     accept_u: torch.Tensor,  # [B, k] uniforms for the rejection tests
+    process=None,  # (x [A, V], rows [A], j) -> x: a request's controls (`controls.Controls.apply`), or None
 ) -> tuple[torch.Tensor, torch.Tensor]:  # num_accepted [B] long, next_token [B] long
     """Walk the k+1 positions, touching only rows that accepted every draft so far: greedy rows accept
     while the draft equals the argmax, seeded rows while it equals the target's coupled choice (so the
@@ -307,10 +308,13 @@ def verify_walk(
         g = greedy[active]
         token = torch.empty(len(active), dtype=torch.long, device=dev)
         accepted = torch.zeros(len(active), dtype=torch.bool, device=dev)
+        x = logits_at(active, j)  # [A, V]: a fresh tensor
+        if process is not None:
+            x = process(x, active, j)
         if bool(g.all()):
-            token = logits_at(active, j).max(dim=-1).indices
+            token = x.max(dim=-1).indices
         else:
-            x = logits_at(active, j).float()  # [A, V]: our own copy (float() of a fresh float32 tensor is itself), warped in place
+            x = x.float()  # our own copy (float() of a fresh float32 tensor is itself), warped in place
             if bool(g.any()):
                 token[g] = x[g].max(dim=-1).indices
             rows = (~g).nonzero().squeeze(1)

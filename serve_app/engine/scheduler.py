@@ -28,6 +28,7 @@ from typing import AsyncIterator, Callable
 
 
 from serve_app.config import EngineConfig, SamplingParams
+from serve_app.engine import grammar
 from serve_app.engine.policy import BatchState, Policy, make_policy
 from serve_app.engine.stats import RequestStats, StepStats
 from serve_app.engine.textstream import TextStream
@@ -53,6 +54,9 @@ class RequestOutput:
     """With `SamplingParams.logprobs`: per token id, (logprob, [(alternative id, logprob), ...])."""
     retry_after_s: int | None = None
     """With an error the client may retry: seconds to wait first (HTTP Retry-After)."""
+    prompt_logprobs: list | None = None
+    """With `SamplingParams.prompt_logprobs`, on the first output: per prompt token, None for the first,
+    then (logprob, [(alternative id, logprob), ...])."""
 
 
 @dataclass
@@ -69,6 +73,7 @@ class Request:
     queue: asyncio.Queue | None = None
     queued_at: float = field(default_factory=time.perf_counter)  # entered the queue (again, when resumed)
     prefilled: int = 0  # context tokens in the target's KV (from the prefix cache, then chunk by chunk)
+    prompt_logprobs: list | None = None  # computed at first admission, sent with the first output
 
     def context(self) -> list[int]:
         """What the workers hold for it: the prompt, plus what it generated before a resume."""
@@ -92,6 +97,9 @@ class Engine:
         vocab_size: int | None = None,
     ):
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        for w in (target, draft):  # in-process workers read grammars with the engine's tokenizer (actors load their own)
+            if isinstance(w, ModelWorker) and w.tokenizer is None:
+                w.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.policy = policy or make_policy(self.config.policy)
         info = target.info()  # target may be a local ModelWorker or a proxy to a Ray actor
@@ -179,6 +187,7 @@ class Engine:
             raise ValueError(f"prompt holds token ids outside the vocabulary [0, {self.vocab_size})")
         if len(params.stop) > self.config.max_stop_strings:
             raise ValueError(f"at most {self.config.max_stop_strings} stop strings, got {len(params.stop)}")
+        params = self._with_controls(params, n)
         reserve = min(n + params.max_tokens, self.max_model_len) + self.config.max_k + 1
         if reserve > self.kv_capacity:
             raise ValueError(
@@ -199,6 +208,23 @@ class Engine:
         with self._queue_lock:
             self.waiting.append(req)
         return req
+
+    def _with_controls(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """Check a request's controls against the vocabulary and fill what the workers need to apply them
+        (where its output starts, the end-of-sequence ids, bad words as token ids)."""
+        for name, ids in (("logit_bias", list(params.logit_bias)), ("stop_token_ids", params.stop_token_ids)):
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise ValueError(f"{name}: token ids must be in [0, {self.vocab_size})")
+        if params.structured is not None:
+            grammar.check(params.structured, self.tokenizer, self.vocab_size)
+        words = []
+        for w in params.bad_words:  # as vLLM: the word alone and after a space (mid-sentence)
+            for form in {w, " " + w.lstrip()}:
+                ids = self.tokenizer.encode(form, add_special_tokens=False)
+                if ids and ids not in words:
+                    words.append(ids)
+        return params.model_copy(update={"prompt_len": prompt_len, "eos_token_ids": sorted(self.eos_ids),
+                                         "bad_words_ids": words})
 
     def abort(self, req: Request) -> None:
         """Cancel a request. A waiting one leaves the queue at once: it must stop counting toward the
@@ -340,6 +366,8 @@ class Engine:
         for r in new:
             if not r.output_ids:  # first admission, not a resume
                 r.stats.queue_s = now - r.arrival
+                if r.params.prompt_logprobs is not None and not r.stats.generated_tokens:
+                    r.prompt_logprobs = self.target.prompt_logprobs(r.prompt_ids, r.params.prompt_logprobs)
         self.prefilling += new  # before any worker call: a failure below must requeue these too, not strand them
         cached = self.target.add(ids, [r.context() for r in new], [r.params for r in new])
         if self.draft is not None:
@@ -377,13 +405,13 @@ class Engine:
         for tok in tokens:
             taken.append(tok)
             n_out = len(req.output_ids) + len(taken)
-            if tok in self.eos_ids and not p.ignore_eos:
+            if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
                 reason = "stop"
             elif n_out >= p.max_tokens or len(req.prompt_ids) + n_out >= self.max_model_len:
                 reason = "length"
             if p.stop:  # one token at a time, so ids end where the stop string completed
                 text += req.stream.push([tok])
-                if req.stream.stopped:
+                if req.stream.stopped and n_out >= p.min_tokens:
                     reason = "stop"
             if reason:
                 break
@@ -394,6 +422,7 @@ class Engine:
             req.stats.ttft_s = time.perf_counter() - req.arrival
         req.stats.generated_tokens = len(req.output_ids)
         out = RequestOutput(req.id, text, taken, logprobs=logprobs[: len(taken)] if logprobs is not None else None)
+        out.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
         if reason:
             out.text += req.stream.flush()
             self._finish(req, out, reason)

@@ -29,6 +29,8 @@ import torch
 
 from serve_app.config import SamplingParams
 from serve_app.profiling.profiles import detect_gpu_type
+from serve_app.engine.controls import Controls
+from serve_app.engine.grammar import Guide
 from serve_app.engine.kv import ATTENTION, PagedKV, pack
 from serve_app.engine.sampling import TOP_N, Warp, draft_choice, logprob_top, noise_key, verify_walk
 
@@ -118,6 +120,7 @@ class ModelWorker:
         self.timings = new_timings()
         self.head = plain_head(model)
         self.flush_denormals = self.device.type == "cpu"
+        self.tokenizer = None  # for structured outputs (grammar masks need the vocabulary's strings)
 
     def take_timings(self) -> dict:
         """Device work since the last call (forwards; vocabulary-sized math beside them) and the bytes
@@ -148,6 +151,7 @@ class ModelWorker:
             gen = torch.Generator().manual_seed(_role_seed(p.seed, self.role))
             self.seqs[sid] = Sequence(tokens=list(prompt), params=p, generator=gen)
             self.order.append(sid)
+            self._start_controls(self.seqs[sid])
             self.seqs[sid].kv_len = self.cache.match_prefix(sid, list(prompt))
             cached.append(self.seqs[sid].kv_len)
             if self.feature_layers and cached[-1]:  # the draft needs these positions' features too
@@ -155,6 +159,22 @@ class ModelWorker:
         bs = self.cache.block_size
         self.cache.ensure(sum(-(-(len(p) - c) // bs) + 1 for p, c in zip(prompts, cached)))
         return cached
+
+    def _start_controls(self, s: Sequence) -> None:
+        """Where the output starts (the context may hold some after a preemption or resume), and the
+        grammar matcher, walked through that output."""
+        plen = s.params.prompt_len if s.params.prompt_len is not None else len(s.tokens)
+        s.extra["prompt_len"] = plen
+        if s.params.structured is not None:
+            if self.tokenizer is None:
+                raise ValueError(f"{self.role}: structured outputs need the tokenizer (worker.tokenizer)")
+            s.extra["guide"] = Guide(s.params.structured, self.tokenizer, self.vocab_size(), s.tokens[plen:])
+
+    def vocab_size(self) -> int:
+        """Width of the logits this worker samples from (an EAGLE-3 head maps its reduced vocabulary
+        onto the target's whole one)."""
+        full = getattr(self.model, "vocab_size", None)
+        return full if isinstance(full, int) else self.model.get_output_embeddings().weight.shape[0]
 
     def remove(self, seq_ids: list[str]) -> None:
         """Drop finished sequences; their blocks go back to the pool (named ones stay cached)."""
@@ -219,6 +239,8 @@ class ModelWorker:
                 s.kv_len = min(s.proposal_kv, committed + len(new) - 1)
                 s.proposal_kv = -1
             s.tokens.extend(new)
+            if "guide" in s.extra:
+                s.extra["guide"].settle(new)
             self.cache.trim(sid, s.kv_len)
             self.cache.commit(sid, s.tokens, s.kv_len)
 
@@ -253,6 +275,8 @@ class ModelWorker:
         pending = [len(s.tokens) - s.kv_len for s in seqs]  # fed before the drafts; all now final
         for sid, s, n_b, d, t, length in zip(seq_ids, seqs, num_acc, drafts, next_tok, lens):
             s.tokens.extend(d[:n_b] + [t])
+            if "guide" in s.extra:
+                s.extra["guide"].advance(d[:n_b] + [t])
             s.kv_len = length + n_b  # KV through the last accepted draft; t is pending
         cnext = [-1] * len(cseqs)
         for b, t in zip(done, first):
@@ -261,6 +285,8 @@ class ModelWorker:
             s.kv_len += len(f)
         for b in done:
             cseqs[b].tokens.append(cnext[b])
+            if "guide" in cseqs[b].extra:
+                cseqs[b].extra["guide"].advance([cnext[b]])
         for sid, s in zip(seq_ids + list(chunks), seqs + cseqs):
             self.cache.trim(sid, s.kv_len)
             self.cache.commit(sid, s.tokens, s.kv_len)
@@ -308,10 +334,26 @@ class ModelWorker:
         q_values = q_ids = None
         if proposal.probs is not None:
             q_values, q_ids = proposal.probs.to(dev), proposal.support.to(dev)
+        controls, process = Controls.of(seqs, dev), None
+        if controls is not None:
+            drafts = proposal.tokens.tolist()
+            controls.set_masks(drafts)
+            process = lambda x, rows, j: controls.apply(x, rows, j, drafts)  # noqa: E731
         with denormals_flushed(self.flush_denormals):
             num_acc, next_tok = verify_walk(logits, proposal.tokens.to(dev), greedy, keys, seeded,
-                                            Warp.of([s.params for s in seqs], dev), q_values, q_ids, u)
+                                            Warp.of([s.params for s in seqs], dev), q_values, q_ids, u, process)
         return num_acc.tolist(), next_tok.tolist()
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, ids: list[int], top: int) -> list:
+        """The target's log-probability of each prompt token given the ones before it (None for the first)
+        and its `top` alternatives: one plain forward of the prompt outside the batch's KV (completions
+        `echo` with `logprobs`; rare, so it does not share the step)."""
+        logits = self.model(input_ids=torch.tensor([ids], device=self.device)).logits[0, :-1]  # [T-1, V]
+        self._captured.clear()  # a target that captures features for an EAGLE draft: not this forward's business
+        chosen, vals, alts = logprob_top(logits[None], torch.tensor([ids[1:]], device=self.device), top)
+        chosen, vals, alts = chosen[0].tolist(), vals[0].tolist(), alts[0].tolist()
+        return [None] + [(c, list(zip(a, v))) for c, a, v in zip(chosen, alts, vals)]
 
     # ---- target features (for drafts that read them, EAGLE-style) -----------------------------
     def capture_features(self, layers: list[int]) -> None:
@@ -441,6 +483,13 @@ class ModelWorker:
         next draft token per row for the token at positions[b] (`sampling.draft_choice`)."""
         dev = self.device
         greedy = torch.tensor([s.params.greedy for s in seqs], device=dev)
+        controls = Controls.of(seqs, dev)
+        if controls is not None:  # the request's controls on every proposal, as the target applies them
+            return self._controlled(seqs, controls, self._drawer_plain(seqs, greedy))
+        return self._drawer_plain(seqs, greedy)
+
+    def _drawer_plain(self, seqs: list[Sequence], greedy: torch.Tensor):
+        dev = self.device
         if bool(greedy.all()):
             return lambda logits, positions: (logits.max(dim=-1).indices.cpu(), None, None)
         w = Warp.of([s.params for s in seqs], dev)
@@ -453,6 +502,33 @@ class ModelWorker:
             return tok.cpu(), q.cpu(), ids.cpu()
 
         return draw
+
+    @staticmethod
+    def _controlled(seqs: list[Sequence], controls: Controls, draw):
+        """draw, with each drafted position's logits under the request's controls first: its grammar's
+        mask from the sequence's matcher (which then consumes the proposal, rolled back at commit) and
+        the rest counting the proposals before it."""
+        drawn: list[list[int]] = [[] for _ in seqs]
+        guided = [b for b, s in enumerate(seqs) if "guide" in s.extra]
+        every = torch.arange(len(seqs))
+
+        def controlled(logits, positions):
+            j = len(drawn[0])
+            logits = controls.apply(logits, every, j, drawn)
+            if guided:
+                bits = torch.empty((len(guided), seqs[guided[0]].extra["guide"].words()), dtype=torch.int32)
+                for i, b in enumerate(guided):
+                    seqs[b].extra["guide"].mask_into(bits[i])
+                logits = logits.float() if logits.dtype != torch.float32 else logits
+                controls.apply_mask_rows(logits, bits, guided)
+            tok, q, ids = draw(logits, positions)
+            for b, t in enumerate(tok.tolist()):
+                drawn[b].append(t)
+            for b in guided:
+                seqs[b].extra["guide"].step_ahead(drawn[b][-1])
+            return tok, q, ids
+
+        return controlled
 
 
 PLAIN_HEAD_MODELS = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "olmo2"}

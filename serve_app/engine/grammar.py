@@ -1,0 +1,127 @@
+"""Structured outputs: a request's grammar, matched token by token with llguidance.
+
+A `Guide` holds one sequence's matcher. Under speculation the matcher walks ahead over the drafted
+tokens and comes back: the target computes the mask of every position it verifies (`masks`: the
+matcher consumes the valid drafts one by one, then rolls back), and consumes what was accepted once
+the walk has decided (`advance`); the draft masks each of its own proposals and rolls back to the
+committed tokens at commit. A draft token the grammar forbids has probability 0 under the masked
+target, so it is always rejected, and the masks past it are never read.
+
+Masks are bitmasks, one bit per vocabulary id ([rows, ceil(V / 32)] int32); `apply_mask_` turns them
+into -inf logits on the worker's device.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from serve_app.config import StructuredOutput
+
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""JSON as `json.dumps` writes it: one space after ',' and ':', no other whitespace. Flexible whitespace
+lets a small model run on with newlines and indents forever; a fixed style cannot."""
+
+_TOKENIZERS: dict[tuple[int, int], object] = {}
+
+
+def lltokenizer(tokenizer, vocab_size: int):
+    """llguidance's view of a Hugging Face tokenizer over the model's vocabulary (built once: ~0.3 s)."""
+    key = (id(tokenizer), vocab_size)
+    if key not in _TOKENIZERS:
+        import llguidance.hf
+
+        _TOKENIZERS[key] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+    return _TOKENIZERS[key]
+
+
+def grammar_text(spec: StructuredOutput) -> str:
+    """The llguidance grammar of a request's constraint."""
+    from llguidance import LLMatcher
+
+    if spec.json_schema is not None or spec.json_object:
+        schema = spec.json_schema if spec.json_schema is not None else {"type": "object"}
+        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
+    if spec.regex is not None:
+        return LLMatcher.grammar_from_regex(spec.regex)
+    if spec.choice is not None:  # Lark string literals take JSON's escapes
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+    return LLMatcher.grammar_from_lark(spec.grammar)
+
+
+def check(spec: StructuredOutput, tokenizer, vocab_size: int) -> None:
+    """Raise ValueError naming what is wrong with a constraint (before the request is queued)."""
+    from llguidance import LLMatcher
+
+    try:
+        text = grammar_text(spec)
+    except ValueError as e:
+        raise ValueError(f"structured output: {e}") from None
+    error = LLMatcher.validate_grammar(text, lltokenizer(tokenizer, vocab_size))
+    if error:
+        raise ValueError(f"structured output: {error.strip()}")
+
+
+class Guide:
+    """One sequence's grammar state, at its committed tokens between calls."""
+
+    def __init__(self, spec: StructuredOutput, tokenizer, vocab_size: int, generated: list[int] = ()):
+        from llguidance import LLMatcher
+
+        self.vocab = vocab_size
+        self.matcher = LLMatcher(lltokenizer(tokenizer, vocab_size), grammar_text(spec))
+        if self.matcher.is_error():
+            raise ValueError(f"structured output: {self.matcher.get_error()}")
+        self.ahead = 0  # tokens consumed past the committed ones (the draft's own proposals)
+        self.advance(list(generated))  # a resumed or preempted request: its output so far
+
+    def words(self) -> int:
+        return (self.vocab + 31) // 32
+
+    def mask_into(self, out: torch.Tensor) -> None:  # out [W] int32, contiguous, on the CPU
+        """The mask of the next position."""
+        self.matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
+
+    def masks(self, drafts: list[int]) -> torch.Tensor:  # -> [k+1, W] int32
+        """Masks of the k+1 positions a verification scores: after the committed tokens, then after each
+        valid draft (positions past the first invalid draft stay all-allowed: the walk never gets there)."""
+        out = torch.full((len(drafts) + 1, self.words()), -1, dtype=torch.int32)
+        valid = self.matcher.validate_tokens(drafts) if drafts else 0
+        for j in range(valid + 1):
+            self.mask_into(out[j])
+            if j < valid:
+                self.matcher.consume_token(drafts[j])
+        if valid:
+            self.matcher.rollback(valid)
+        return out
+
+    def step_ahead(self, token: int) -> None:
+        """Consume a proposed (not yet committed) token; `settle` rolls these back."""
+        if self.matcher.is_stopped() or not self.matcher.validate_tokens([token]):
+            return  # an unmasked draft (n-gram) may propose anything: later masks then do not matter
+        self.matcher.consume_token(token)
+        self.ahead += 1
+
+    def settle(self, new: list[int]) -> None:
+        """Back to the committed tokens, then on through the newly committed ones."""
+        if self.ahead:
+            self.matcher.rollback(self.ahead)
+            self.ahead = 0
+        self.advance(new)
+
+    def advance(self, new: list[int]) -> None:
+        for t in new:
+            if self.matcher.is_stopped():
+                return  # end of the grammar: only end-of-sequence follows, and nothing after it
+            if not self.matcher.consume_token(t):
+                raise RuntimeError(f"structured output: committed token {t} breaks the grammar "
+                                   f"({self.matcher.get_error()})")
+
+
+def apply_mask_(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:  # [R, V], bits [R, W] int32
+    """-inf where a row's bitmask has a 0 bit (in place)."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bits.to(logits.device)[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab]  # [R, V]
+    return logits.masked_fill_(allowed == 0, float("-inf"))
