@@ -170,6 +170,16 @@ def _parser() -> argparse.ArgumentParser:
     bk.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/kv-memory-<hardware type>)")
     bk.set_defaults(func=_cmd_bench_kv_memory)
 
+    bs = bsub.add_parser("structured", help="JSON-schema requests with and without the grammar: answers that validate, "
+                                             "tokens per step under speculation")
+    bs.add_argument("--n", type=int, default=50, help="requests in the suite (default 50)")
+    bs.add_argument("--k", type=int, default=4, help="fixed speculation length (default 4)")
+    bs.add_argument("--max-tokens", type=int, default=200)
+    bs.add_argument("--batch", type=int, default=16)
+    bs.add_argument("--dtype", default="float32")
+    bs.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/bench-structured-<hardware type>)")
+    bs.set_defaults(func=_cmd_bench_structured)
+
     bw = bsub.add_parser("proposal-width", help="a sampled row's top-N draft proposal: exact acceptance against the "
                                                  "full distribution; the coupled sampler's noise against iid Gumbel")
     bw.add_argument("--prompts", type=int, default=16)
@@ -598,6 +608,12 @@ def _cmd_bench_kv_memory(args) -> int:
     print(markdown(results))
     print("results:", ", ".join(write(results, args.out)))
     return 0
+
+
+def _cmd_bench_structured(args) -> int:
+    from serve_app.bench.structured import main
+
+    return main(args.n, args.k, args.max_tokens, args.batch, args.dtype, args.out)
 
 
 def _cmd_bench_proposal_width(args) -> int:

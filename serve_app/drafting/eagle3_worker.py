@@ -17,7 +17,7 @@ import time
 import torch
 
 from serve_app.engine.kv import pack
-from serve_app.engine.worker import ModelWorker, Proposal, _backlog_agreement, _proposal, paged_attention
+from serve_app.engine.worker import ModelWorker, Proposal, _backlog_agreement, _proposal, paged_attention, settle_guide
 
 
 class EagleWorker(ModelWorker):
@@ -74,6 +74,7 @@ class EagleWorker(ModelWorker):
         when there are none: the first token after a prefill, whose prompt features came with it)."""
         for sid, new in zip(seq_ids, new_tokens):
             self.seqs[sid].tokens.extend(new)
+            settle_guide(self.seqs[sid], new)
             self.cache.trim(sid, self.seqs[sid].kv_len)  # its own speculative positions go
         if features is not None:
             self._take(seq_ids, features)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from serve_app.engine.grammar import apply_mask_
+from serve_app.engine.grammar import apply_mask_, closing_bias
 
 
 class Controls:
@@ -73,6 +73,7 @@ class Controls:
             g = [i for i, b in enumerate(rows_l) if self.guides[b] is not None]
             if g:
                 self.apply_mask_rows(x, self.masks[[rows_l[i] for i in g], j], g)
+        self.close(x, rows_l, j)
         bans = [(local[b], t) for b in self.ban_rows if b in local for t in self._banned(b, j, extra[b][:j] if extra else [])]
         if bans:
             r, t = zip(*bans)
@@ -83,6 +84,17 @@ class Controls:
             self._penalize(x, local, j, extra)
         return x
 
+    def close(self, x: torch.Tensor, rows_l: list[int], j: int) -> None:
+        """Grammar rows near the end of their budget favour closing tokens (`grammar.closing_bias`)."""
+        for i, b in enumerate(rows_l):
+            guide = self.guides[b]
+            if guide is None:
+                continue
+            p = self.params[b]
+            bias = closing_bias(p.max_tokens - (len(self.contexts[b]) - self.prompt_lens[b] + j) - 1, p.max_tokens)
+            if bias:
+                x[i] += bias * guide.closers.to(x.device)[: x.shape[-1]]
+
     def apply_mask_rows(self, x: torch.Tensor, bits: torch.Tensor, rows: list[int]) -> None:
         """The draft's masks (one position, computed from its guides as it proposes) for these rows."""
         idx = torch.tensor(rows, device=x.device)
@@ -91,8 +103,7 @@ class Controls:
     # ---- internals -------------------------------------------------------------------------
     def _touches(self, b: int) -> bool:
         p = self.params[b]
-        return bool(p.logit_bias or p.min_tokens or p.bad_words_ids or _penalized(p)) or \
-            (self.masks is not None and self.guides[b] is not None)
+        return bool(p.logit_bias or p.min_tokens or p.bad_words_ids or _penalized(p) or self.guides[b] is not None)
 
     def _banned(self, b: int, j: int, drafted: list[int]) -> list[int]:
         p = self.params[b]

@@ -24,6 +24,34 @@ JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 lets a small model run on with newlines and indents forever; a fixed style cannot."""
 
 _TOKENIZERS: dict[tuple[int, int], object] = {}
+_CLOSERS: dict[tuple[int, int], torch.Tensor] = {}
+
+CLOSING_CHARS = {'"': 0.6, "}": 0.5, "]": 0.5, ",": -0.5}
+"""What ends a JSON string, object or array, and how much each counts. Near the end of its token budget a
+structured request favours the allowed tokens holding them (`closing_bias`), so its answer closes before
+the budget cuts it: a small model can otherwise run a string of digits or an array on until max_tokens
+and return JSON that does not parse. A token closing a string and its object (`"}`) counts most; a
+comma counts against (it opens another member)."""
+
+
+def closing_bias(remaining: int, max_tokens: int) -> float:
+    """Logit bias for closing tokens when `remaining` tokens are left after this one: 0 outside the last
+    window (a quarter of the budget, 16 to 48 tokens), then rising from 4 to 16."""
+    window = min(48, max(16, max_tokens // 4))
+    if remaining >= window:
+        return 0.0
+    return 4.0 + 12.0 * (1 - remaining / window)
+
+
+def closers(tokenizer, vocab_size: int) -> torch.Tensor:  # [V] float32: each token's closing weight
+    key = (id(tokenizer), vocab_size)
+    if key not in _CLOSERS:
+        out = torch.zeros(vocab_size)
+        for i, t in enumerate(tokenizer.convert_ids_to_tokens(list(range(min(vocab_size, len(tokenizer)))))):
+            if t is not None:
+                out[i] = sum(w for c, w in CLOSING_CHARS.items() if c in t)
+        _CLOSERS[key] = out
+    return _CLOSERS[key]
 
 
 def lltokenizer(tokenizer, vocab_size: int):
@@ -66,14 +94,21 @@ def check(spec: StructuredOutput, tokenizer, vocab_size: int) -> None:
 class Guide:
     """One sequence's grammar state, at its committed tokens between calls."""
 
-    def __init__(self, spec: StructuredOutput, tokenizer, vocab_size: int, generated: list[int] = ()):
+    def __init__(self, spec: StructuredOutput, tokenizer, vocab_size: int, generated: list[int] = (),
+                 stop_ids: list[int] = ()):
         from llguidance import LLMatcher
 
         self.vocab = vocab_size
-        self.matcher = LLMatcher(lltokenizer(tokenizer, vocab_size), grammar_text(spec))
+        self.closers = closers(tokenizer, vocab_size)
+        lltok = lltokenizer(tokenizer, vocab_size)
+        self.matcher = LLMatcher(lltok, grammar_text(spec))
         if self.matcher.is_error():
             raise ValueError(f"structured output: {self.matcher.get_error()}")
+        # End-of-sequence ends the request, not the grammar's walk: it is allowed where the grammar may
+        # end, but never consumed (a matcher rolled back over its own stop loses its state).
+        self.stop_ids = set(stop_ids) | set(lltok.eos_tokens)
         self.ahead = 0  # tokens consumed past the committed ones (the draft's own proposals)
+        self.ended_ahead = False  # the draft proposed an end-of-sequence: nothing after it matters
         self.advance(list(generated))  # a resumed or preempted request: its output so far
 
     def words(self) -> int:
@@ -87,6 +122,7 @@ class Guide:
         """Masks of the k+1 positions a verification scores: after the committed tokens, then after each
         valid draft (positions past the first invalid draft stay all-allowed: the walk never gets there)."""
         out = torch.full((len(drafts) + 1, self.words()), -1, dtype=torch.int32)
+        drafts = self._until_stop(drafts)
         valid = self.matcher.validate_tokens(drafts) if drafts else 0
         for j in range(valid + 1):
             self.mask_into(out[j])
@@ -98,7 +134,8 @@ class Guide:
 
     def step_ahead(self, token: int) -> None:
         """Consume a proposed (not yet committed) token; `settle` rolls these back."""
-        if self.matcher.is_stopped() or not self.matcher.validate_tokens([token]):
+        self.ended_ahead |= token in self.stop_ids
+        if self.ended_ahead or self.matcher.is_stopped() or not self.matcher.validate_tokens([token]):
             return  # an unmasked draft (n-gram) may propose anything: later masks then do not matter
         self.matcher.consume_token(token)
         self.ahead += 1
@@ -108,10 +145,17 @@ class Guide:
         if self.ahead:
             self.matcher.rollback(self.ahead)
             self.ahead = 0
+        self.ended_ahead = False
         self.advance(new)
 
+    def _until_stop(self, tokens: list[int]) -> list[int]:
+        for i, t in enumerate(tokens):
+            if t in self.stop_ids:
+                return tokens[:i]
+        return tokens
+
     def advance(self, new: list[int]) -> None:
-        for t in new:
+        for t in self._until_stop(new):
             if self.matcher.is_stopped():
                 return  # end of the grammar: only end-of-sequence follows, and nothing after it
             if not self.matcher.consume_token(t):

@@ -74,6 +74,7 @@ class Request:
     queued_at: float = field(default_factory=time.perf_counter)  # entered the queue (again, when resumed)
     prefilled: int = 0  # context tokens in the target's KV (from the prefix cache, then chunk by chunk)
     prompt_logprobs: list | None = None  # computed at first admission, sent with the first output
+    prompt_logprobs_sent: bool = False
 
     def context(self) -> list[int]:
         """What the workers hold for it: the prompt, plus what it generated before a resume."""
@@ -422,7 +423,8 @@ class Engine:
             req.stats.ttft_s = time.perf_counter() - req.arrival
         req.stats.generated_tokens = len(req.output_ids)
         out = RequestOutput(req.id, text, taken, logprobs=logprobs[: len(taken)] if logprobs is not None else None)
-        out.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            out.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
         if reason:
             out.text += req.stream.flush()
             self._finish(req, out, reason)

@@ -168,7 +168,8 @@ class ModelWorker:
         if s.params.structured is not None:
             if self.tokenizer is None:
                 raise ValueError(f"{self.role}: structured outputs need the tokenizer (worker.tokenizer)")
-            s.extra["guide"] = Guide(s.params.structured, self.tokenizer, self.vocab_size(), s.tokens[plen:])
+            s.extra["guide"] = Guide(s.params.structured, self.tokenizer, self.vocab_size(), s.tokens[plen:],
+                                     s.params.eos_token_ids)
 
     def vocab_size(self) -> int:
         """Width of the logits this worker samples from (an EAGLE-3 head maps its reduced vocabulary
@@ -239,8 +240,7 @@ class ModelWorker:
                 s.kv_len = min(s.proposal_kv, committed + len(new) - 1)
                 s.proposal_kv = -1
             s.tokens.extend(new)
-            if "guide" in s.extra:
-                s.extra["guide"].settle(new)
+            settle_guide(s, new)
             self.cache.trim(sid, s.kv_len)
             self.cache.commit(sid, s.tokens, s.kv_len)
 
@@ -514,12 +514,11 @@ class ModelWorker:
 
         def controlled(logits, positions):
             j = len(drawn[0])
-            logits = controls.apply(logits, every, j, drawn)
+            logits = controls.apply(logits, every, j, drawn)  # a float32 copy when any row has controls
             if guided:
                 bits = torch.empty((len(guided), seqs[guided[0]].extra["guide"].words()), dtype=torch.int32)
                 for i, b in enumerate(guided):
                     seqs[b].extra["guide"].mask_into(bits[i])
-                logits = logits.float() if logits.dtype != torch.float32 else logits
                 controls.apply_mask_rows(logits, bits, guided)
             tok, q, ids = draw(logits, positions)
             for b, t in enumerate(tok.tolist()):
@@ -624,6 +623,12 @@ def _logprobs(seqs: list[Sequence], logits: torch.Tensor, drafts: list[list[int]
         n = seqs[b].params.logprobs
         out[b] = [(chosen[i][j], list(zip(ids[i][j][:n], vals[i][j][:n]))) for j in range(len(emitted[b]))]
     return out
+
+
+def settle_guide(s: Sequence, new: list[int]) -> None:
+    """A draft's grammar matcher, back from its proposals and on through the newly committed tokens."""
+    if "guide" in s.extra:
+        s.extra["guide"].settle(new)
 
 
 def _coupled(s: Sequence) -> bool:
