@@ -13,29 +13,40 @@ import hmac
 import json
 import logging
 import os
+import re
 import time
 import uuid
 import weakref
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from ray import serve
 
+from serve_app import tools as toolcalls
+from serve_app.config import StructuredOutput
 from serve_app.models import load_tokenizer
-from serve_app.prompts import check_text, encode_prompt
+from serve_app.prompts import check_text, encode_chat, encode_prompt
+
+from . import openai_fields
 
 app = FastAPI(title="specserve", description="OpenAI-compatible speculative decoding server")
 log = logging.getLogger("ray.serve")
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error", 503: "service_unavailable"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               429: "rate_limit_error", 503: "service_unavailable"}
+
+
+def error_type(status: int) -> str:
+    """OpenAI's error type: any other 4xx (404, 405, 413, ...) is the request's fault too."""
+    return ERROR_TYPES.get(status) or ("invalid_request_error" if 400 <= status < 500 else "server_error")
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None, headers=None):
-    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param, "code": code}}
+    body = {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -55,7 +66,10 @@ async def _api_error(request: Request, e: APIError):
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, e: StarletteHTTPException):
     """FastAPI's own refusals (a body it cannot parse, an unknown path or method) in OpenAI's shape too."""
-    return error_response(e.status_code, str(e.detail), code={404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "invalid_request"),
+    message = str(e.detail)
+    if e.status_code in (404, 405):  # as OpenAI words it: which URL and method
+        message = f"{message}: {request.method} {request.url.path}"
+    return error_response(e.status_code, message, code={404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "invalid_request"),
                           headers=getattr(e, "headers", None))
 
 
@@ -73,7 +87,11 @@ async def _validation_error(request: Request, e: RequestValidationError):
         return error_response(400, f"malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}", code="invalid_json")
     loc = [str(x) for x in err["loc"] if x not in ("body", "query")]
     param = ".".join(loc) or None
-    return error_response(400, f"{param}: {err['msg']}" if param else err["msg"], param, "invalid_value")
+    if err["type"] == "extra_forbidden":
+        return error_response(400, f"unknown field '{param}': not a field of this endpoint in OpenAI's API, nor one of "
+                                   "the vLLM extras this server implements (docs/http-api.md lists them)", param, "unknown_parameter")
+    msg = str(err["ctx"]["error"]) if err["type"] == "value_error" and "error" in err.get("ctx", {}) else err["msg"]
+    return error_response(400, f"{param}: {msg}" if param else msg, param, "invalid_value")
 
 
 def request_id(request: Request) -> str:
@@ -239,40 +257,270 @@ class _GroupLease:
         weakref.finalize(stream, collected).atexit = False  # at interpreter exit there is nothing to free
 
 
-class SamplingFields(BaseModel):
-    """Request fields shared by completions and chat completions (unknown OpenAI fields are ignored)."""
+class StreamOptions(BaseModel):
+    """OpenAI's stream_options."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool | None = None
+    """A last chunk with the usage of the whole request, before `data: [DONE]`."""
+
+    include_obfuscation: bool | None = None
+    """OpenAI pads its stream chunks against side channels; accepted, nothing is padded here."""
+
+
+class VllmStructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one constraint on the output."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_schema: dict | str | None = Field(None, alias="json")
+    """A JSON schema (or its JSON text) the output validates against."""
+
+    json_object: bool | None = None
+    """The output is a JSON object."""
+
+    regex: str | None = None
+    """The output matches this regular expression."""
+
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+
+    grammar: str | None = None
+    """The output follows this Lark grammar."""
+
+
+class SamplingFields(BaseModel):
+    """Request fields shared by completions and chat completions.
+
+    Every field of OpenAI's requests takes effect, is accepted without effect, or is refused unless it
+    asks for nothing (the tables in deployments/openai_fields.py); any other field is a 400. Null
+    means the default, as in OpenAI's API.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        """OpenAI's optional fields take null for "not given": drop those nulls so the defaults apply."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields or cls.model_fields[k].default is None}
+        return data
 
     model: str
+    """The served model's name (GET /v1/models)."""
+
     max_tokens: int | None = Field(None, ge=1)
+    """Most tokens to generate (default: 16 for completions, 256 for chat)."""
+
     temperature: float = Field(1.0, ge=0.0, le=2.0)
+    """0 decodes greedily; above 0 samples at this temperature."""
+
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, le=2**31 - 1)
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+
     n: int = Field(1, ge=1)
+    """Choices per prompt, each its own sequence (seeded: seed + i for choice i)."""
+
     stream: bool = False
-    stream_options: dict | None = None
+    """Server-sent events, one chunk per piece of text, then `data: [DONE]`."""
+
+    stream_options: StreamOptions | None = None
+    """Streaming options (include_usage)."""
+
     stop: str | list[str] | None = None
+    """Generation ends before the first of these strings."""
+
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    """Seeded sampling: the same text at any speculation length, batch or replica."""
+
     logprobs: bool | int | None = None
+    """Chat: true for the tokens' log-probabilities; completions: how many alternatives per token."""
+
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    """Subtracted from a token's logit once per time it already appears in the output."""
+
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    """Subtracted once from the logit of every token already in the output."""
+
+    logit_bias: dict[str, float] | None = None
+    """Token id (a string key, as OpenAI's clients send it) -> value in [-100, 100] added to its logit."""
+
+    user: str | None = None
+    """An end-user id; accepted without effect (openai_fields.NO_EFFECT)."""
+
+    # ---- vLLM's extra fields (openai_fields.VLLM_HANDLED, VLLM_REFUSED) ----
+    top_k: int = Field(-1, ge=-1, le=2**31 - 1)
+    """Keep only the top_k most likely tokens; -1 or 0 keeps all."""
+
+    min_tokens: int = Field(0, ge=0)
+    """End-of-sequence and stop_token_ids are banned until this many tokens are generated."""
+
+    ignore_eos: bool = False
+    """Generate past the end-of-sequence token, up to max_tokens."""
+
+    stop_token_ids: list[int] | None = None
+    """Generation also ends after any of these token ids (kept in the output)."""
+
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    """Logits of tokens already in the prompt or output are divided (positive) or multiplied (negative) by it; 1 is off."""
+
+    bad_words: list[str] | None = None
+    """Words never generated (vLLM's semantics)."""
+
+    guided_json: dict | str | None = None
+    """The output is JSON valid against this schema (or its JSON text)."""
+
+    guided_regex: str | None = None
+    """The output matches this regular expression."""
+
+    guided_choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+
+    guided_grammar: str | None = None
+    """The output follows this Lark grammar."""
+
+    structured_outputs: VllmStructuredOutputs | None = None
+    """vLLM's newer form of the four above: one of json, json_object, regex, choice, grammar."""
+
+    min_p: float | None = None
+    """Refused unless 0 or null (not implemented)."""
+
+    skip_special_tokens: bool | None = None
+    """Refused unless true or null (special tokens are always left out)."""
+
+    spaces_between_special_tokens: bool | None = None
+    """Refused unless true or null."""
 
 
 class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
     prompt: str | list[str] | list[int] | list[list[int]]
     """A string, several strings (one choice each), token ids, or several lists of token ids."""
 
+    echo: bool = False
+    """Put the prompt's text before each choice's text (with logprobs: the prompt tokens' too)."""
+
+    suffix: str | None = None
+    """Refused unless null or "" (insertion is not supported)."""
+
+    best_of: int | None = Field(None, ge=1)
+    """Refused unless null or equal to n (every generated choice is returned)."""
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # name, tool_calls, tool_call_id, ...
+    """One message of a chat, in any of the shapes OpenAI's API defines for text."""
+
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
+    """Who speaks; `developer` reaches the chat template as `system`."""
+
     content: str | list | None = None
+    """A string or a list of text parts; null for an assistant turn that only called tools."""
+
+    name: str | None = None
+    """A participant's name; accepted without effect."""
+
+    tool_calls: list | None = None
+    """An assistant turn's calls: [{"id", "type": "function", "function": {"name", "arguments"}}]."""
+
+    tool_call_id: str | None = None
+    """A tool result's call id (required for role `tool`)."""
+
+    refusal: str | None = None
+    """An assistant turn's refusal text, kept in the conversation."""
+
+    audio: Any = None
+    """An earlier audio answer's id: refused unless null (this model writes text only)."""
+
+    function_call: Any = None
+    """The deprecated form of tool_calls: refused unless null (send tool_calls)."""
+
+    @model_validator(mode="after")
+    def _text_only(self) -> "ChatMessage":
+        if self.audio is not None:
+            raise ValueError("audio: not supported (this model writes text only); send the turn's text as content")
+        if self.function_call is not None:
+            raise ValueError("function_call: the deprecated form of tool_calls is not supported; send tool_calls")
+        return self
 
 
 class ChatRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
     messages: list[ChatMessage]
+    """The conversation so far."""
+
     max_completion_tokens: int | None = Field(None, ge=1)
+    """Most tokens to generate (OpenAI's newer name of max_tokens; it wins when both are set)."""
+
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    """Alternatives per token with logprobs: true (0-20)."""
+
+    response_format: dict | None = None
+    """{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", ...}}."""
+
+    tools: list | None = None
+    """Function tools the model may call: [{"type": "function", "function": {"name", "description", "parameters"}}]."""
+
+    tool_choice: str | dict | None = None
+    """"none", "auto", "required", {"type": "function", "function": {"name"}} or {"type": "allowed_tools", ...}."""
+
+    parallel_tool_calls: bool = True
+    """More than one call per answer (false: at most one)."""
+
+    # ---- accepted without effect (openai_fields.NO_EFFECT) ----
+    metadata: dict[str, str] | None = None
+    """Tags for stored completions (nothing is stored here)."""
+
+    store: bool | None = None
+    """Keep the completion at OpenAI (nothing is stored here)."""
+
+    service_tier: str | None = None
+    """OpenAI's processing tier."""
+
+    safety_identifier: str | None = None
+    """An end-user id for OpenAI's abuse monitoring."""
+
+    prompt_cache_key: str | None = None
+    """A hint for OpenAI's prompt cache (prefix caching here is automatic)."""
+
+    prompt_cache_options: dict | None = None
+    """OpenAI's prompt cache options."""
+
+    prompt_cache_retention: str | None = None
+    """OpenAI's prompt cache lifetime."""
+
+    prediction: dict | None = None
+    """Predicted output: a latency hint, the answer is the same without it."""
+
+    # ---- refused unless they ask for nothing (openai_fields.REFUSED) ----
+    audio: Any = None
+    """Audio output parameters: null only."""
+
+    modalities: Any = None
+    """Output modalities: null or ["text"]."""
+
+    functions: Any = None
+    """The deprecated functions API: null or []."""
+
+    function_call: Any = None
+    """The deprecated functions API: null, "none" or "auto"."""
+
+    reasoning_effort: Any = None
+    """Reasoning effort: null or "none"."""
+
+    verbosity: Any = None
+    """Answer length: null or "medium"."""
+
+    web_search_options: Any = None
+    """Web search: null only."""
+
+    moderation: Any = None
+    """Moderation: null only."""
 
 
 class TokenizeRequest(BaseModel):
@@ -291,6 +539,45 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+def _json_value(value, field: str):
+    """A JSON schema given as an object or as its JSON text (vLLM takes both)."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            raise APIError(400, f"{field}: not valid JSON", field, "invalid_value") from None
+    return value
+
+
+def _response_format(fmt: dict) -> dict | None:
+    """The output constraint of OpenAI's response_format (None for plain text); a malformed one is a
+    400 naming response_format."""
+    def bad(why: str):
+        return APIError(400, f"response_format: {why}", "response_format", "invalid_value")
+
+    kind = fmt.get("type")
+    if kind in ("text", "json_object"):
+        if set(fmt) != {"type"}:
+            raise bad(f"type {kind!r} takes no other field (got {sorted(set(fmt) - {'type'})})")
+        return None if kind == "text" else {"json_object": True}
+    if kind != "json_schema":
+        raise bad("{'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', 'json_schema': {'name', 'schema'}}")
+    spec = fmt.get("json_schema")
+    if set(fmt) != {"type", "json_schema"} or not isinstance(spec, dict):
+        raise bad("type 'json_schema' takes one more field, json_schema: {'name', 'schema', 'strict', 'description'}")
+    unknown = set(spec) - {"name", "schema", "strict", "description"}
+    if unknown:
+        raise bad(f"json_schema: unknown field {sorted(unknown)[0]!r}")
+    if not isinstance(spec.get("name"), str) or not toolcalls.NAME.fullmatch(spec["name"]):
+        raise bad("json_schema.name: required, 1-64 letters, digits, '_' or '-'")
+    if not isinstance(spec.get("schema", {}), dict):
+        raise bad("json_schema.schema: a JSON schema object")
+    if not isinstance(spec.get("strict", False), (bool, type(None))) or not isinstance(spec.get("description", ""), str):
+        raise bad("json_schema: 'strict' is a boolean and 'description' a string")
+    # strict or not, the output follows the schema: every token is constrained to it
+    return {"json_schema": spec.get("schema", {})}
 
 
 # (name, type, help, how to read it from a snapshot: counter/gauge key)
@@ -315,6 +602,13 @@ _SERIES = [
     ("vllm:spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed.", ("counters", "draft_tokens")),
     ("vllm:spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.", ("counters", "accepted_tokens")),
 ]
+
+
+def _joined(first: dict | None, then: dict | None) -> dict | None:
+    """Two completions logprobs objects as one (an echoed prompt's, then the output's)."""
+    if first is None or then is None:
+        return first or then
+    return {key: first[key] + then[key] for key in first}
 
 
 def _usage(n_prompt: int, n_out: int, cached: int) -> dict:
@@ -428,13 +722,40 @@ class OpenAIIngress:
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
         self._auth(request)
-        return await self._respond(request, body, self._completion_prompts(body.prompt), body.max_tokens or 16, chat=False)
+        self._refuse_unsupported(body, "completions")
+        prompts = self._completion_prompts(body.prompt)
+        echo = None
+        if body.echo:  # each prompt's own text where the client sent text, else its tokens' text; one per choice
+            if isinstance(body.prompt, str) or isinstance(body.prompt[0], str):
+                texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+            else:
+                texts = [self.tokenizer.decode(ids) for ids in prompts]
+            echo = [t for t in texts for _ in range(body.n)]
+        return await self._respond(request, body, prompts, body.max_tokens or 16, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat(self, body: ChatRequest, request: Request):
         self._auth(request)
-        ids = self._encode(messages=[m.model_dump() for m in body.messages])
-        return await self._respond(request, body, [ids], body.max_completion_tokens or body.max_tokens or 256, chat=True)
+        self._refuse_unsupported(body, "chat")
+        choice = self._tool_choice(body)
+        rendered = None  # tools go to a template that renders them, unless no call may be made
+        if choice.mode != "none" and toolcalls.template_supports_tools(self.tokenizer):
+            rendered = [{"type": "function", "function": t} for t in choice.tools]
+        try:
+            ids = encode_chat(self.tokenizer, [m.model_dump(exclude_none=True) for m in body.messages], tools=rendered)
+        except toolcalls.ToolError as e:
+            raise APIError(400, str(e), e.param, "invalid_value") from None
+        except ValueError as e:
+            raise APIError(400, str(e), "messages", "invalid_value") from None
+        return await self._respond(request, body, [ids], body.max_completion_tokens or body.max_tokens or 256, chat=True,
+                                   tools=choice)
+
+    @app.post("/v1/responses")
+    async def responses(self, body: dict, request: Request):
+        """OpenAI's Responses API over the same engine (deployments/responses.py)."""
+        self._auth(request)
+        from .responses import create_response  # imported here: responses.py builds on this module
+        return await create_response(self, request, body)
 
     @app.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest, request: Request):
@@ -443,7 +764,7 @@ class OpenAIIngress:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", code="invalid_value")
         if body.messages is not None:
-            ids = self._encode(messages=[m.model_dump() for m in body.messages])
+            ids = self._encode(messages=[m.model_dump(exclude_none=True) for m in body.messages])
         else:
             try:
                 ids = self.tokenizer.encode(check_text(body.prompt, "prompt"), add_special_tokens=body.add_special_tokens)
@@ -512,7 +833,8 @@ class OpenAIIngress:
             raise APIError(400, "logprobs: an integer from 0 to 20", "logprobs", "invalid_value")
         return int(body.logprobs)
 
-    def _params(self, body: SamplingFields, max_tokens: int) -> dict:
+    def _params(self, body: SamplingFields, max_tokens: int, tools: toolcalls.Choice | None = None) -> dict:
+        """The engine's SamplingParams (as a dict) for this request; tools: how its tool_choice resolved."""
         self._check_model(body.model)
         logprobs = self._logprobs(body)
         if max_tokens > self.max_tokens_limit:
@@ -525,15 +847,120 @@ class OpenAIIngress:
                 check_text(s, "stop")
         except ValueError as e:
             raise APIError(400, str(e), "stop", "invalid_value") from None
-        return {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
-                "top_k": max(body.top_k, 0), "seed": body.seed, "stop": stop, "logprobs": logprobs}
+        params = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
+                  "top_k": max(body.top_k, 0), "seed": body.seed, "stop": stop, "logprobs": logprobs}
+        return params | self._controls(body, max_tokens, logprobs, tools)
+
+    def _controls(self, body: SamplingFields, max_tokens: int, logprobs: int | None, tools: toolcalls.Choice | None) -> dict:
+        """The engine's further controls, only those the request sets (a plain request's params stay
+        what they were). Token ids are checked against the vocabulary here, so a 400 names the field."""
+        out: dict = {}
+        vocab = len(self.tokenizer) if body.logit_bias or body.stop_token_ids else 0
+        if body.logit_bias:
+            out["logit_bias"] = {}
+            for key, value in body.logit_bias.items():
+                tid = int(key) if re.fullmatch(r"\s*[0-9]+\s*", key) else None  # ASCII digits only
+                if tid is None or not 0 <= tid < vocab:
+                    raise APIError(400, f"logit_bias: key {key!r} is not a token id in the vocabulary [0, {vocab})",
+                                   "logit_bias", "invalid_value")
+                if not -100 <= value <= 100:
+                    raise APIError(400, f"logit_bias: the value for {key!r} is {value}, outside [-100, 100]", "logit_bias", "invalid_value")
+                out["logit_bias"][tid] = value
+        for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                          ("ignore_eos", False)):
+            if getattr(body, name) != off:
+                out[name] = getattr(body, name)
+        if body.min_tokens:
+            if body.min_tokens > max_tokens:
+                raise APIError(400, f"min_tokens: {body.min_tokens} is more than max_tokens ({max_tokens})", "min_tokens", "invalid_value")
+            out["min_tokens"] = body.min_tokens
+        if body.stop_token_ids:
+            if any(not 0 <= t < vocab for t in body.stop_token_ids):
+                raise APIError(400, f"stop_token_ids: ids must be in [0, {vocab})", "stop_token_ids", "invalid_value")
+            out["stop_token_ids"] = list(body.stop_token_ids)
+        if body.bad_words:
+            if any(not w.strip() for w in body.bad_words):
+                raise APIError(400, "bad_words: words must be non-empty", "bad_words", "invalid_value")
+            try:
+                out["bad_words"] = [check_text(w, "bad_words") for w in body.bad_words]
+            except ValueError as e:
+                raise APIError(400, str(e), "bad_words", "invalid_value") from None
+        structured = self._structured(body, tools)
+        if structured is not None:
+            out["structured"] = structured
+        if getattr(body, "echo", False) and logprobs is not None:
+            out["prompt_logprobs"] = logprobs  # the echoed prompt's tokens get theirs too
+        return out
+
+    def _structured(self, body: SamplingFields, choice: toolcalls.Choice | None) -> dict | None:
+        """The request's one output constraint (serve_app.config.StructuredOutput), from response_format,
+        a forced tool call (tool_choice "required" or named), or vLLM's guided_* / structured_outputs;
+        None without one. Two at once, or a malformed one, is a 400 naming the field."""
+        given = []  # (field, constraint)
+        fmt = getattr(body, "response_format", None)
+        if fmt is not None:
+            constraint = _response_format(fmt)
+            if constraint is not None:
+                given.append(("response_format", constraint))
+        schema = toolcalls.forced_schema(choice) if choice is not None else None
+        if schema is not None:
+            given.append(("tool_choice", {"json_schema": schema}))
+        if body.guided_json is not None:
+            given.append(("guided_json", {"json_schema": _json_value(body.guided_json, "guided_json")}))
+        for field, key in (("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            if getattr(body, field) is not None:
+                given.append((field, {key: getattr(body, field)}))
+        if body.structured_outputs is not None:
+            so = body.structured_outputs.model_dump(exclude_none=True)
+            if "json_schema" in so:
+                so["json_schema"] = _json_value(so["json_schema"], "structured_outputs")
+            given.append(("structured_outputs", so))
+        if len(given) > 1:
+            raise APIError(400, f"{given[1][0]}: one output constraint per request, and {given[0][0]} is one already",
+                           given[1][0], "invalid_value")
+        if choice is not None and choice.mode == "auto" and given:
+            raise APIError(400, f"{given[0][0]}: an output constraint leaves no room for tool calls under tool_choice "
+                           "'auto'; use tool_choice 'none', 'required' or a named function", given[0][0], "invalid_value")
+        if not given:
+            return None
+        field, constraint = given[0]
+        try:
+            json.dumps(constraint, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:  # the grammar compiler would choke on it
+            raise APIError(400, f"{field} holds a lone surrogate (invalid Unicode)", field, "invalid_value") from None
+        try:
+            return StructuredOutput(**constraint).model_dump(exclude_defaults=True)
+        except ValidationError as e:
+            raise APIError(400, f"{field}: {e.errors()[0]['msg']}", field, "invalid_value") from None
+
+    def _refuse_unsupported(self, body: SamplingFields, endpoint: str) -> None:
+        """A 400 naming a field set to a value this server cannot honour (openai_fields.refused)."""
+        for name, rule in openai_fields.refused(endpoint).items():
+            if name in body.model_fields_set and not rule.ok(getattr(body, name), body):
+                raise APIError(400, f"{name} is not supported here: {rule.why}. Accepted only as {rule.accepts}",
+                               name, "unsupported_parameter")
+
+    def _tool_choice(self, body: ChatRequest) -> toolcalls.Choice:
+        """How tools and tool_choice resolve; "auto" needs a chat template that renders tools, or the
+        model never learnt how to call one."""
+        try:
+            tools = toolcalls.check_tools(body.tools)
+            choice = toolcalls.check_tool_choice(body.tool_choice, tools, body.parallel_tool_calls)
+        except toolcalls.ToolError as e:
+            raise APIError(400, str(e), e.param, "invalid_value") from None
+        if choice.mode == "auto" and not toolcalls.template_supports_tools(self.tokenizer):
+            raise APIError(400, "tool_choice: 'auto' (the default with tools) lets the model decide to call a tool, but "
+                           "this model's chat template does not render tools; use tool_choice 'required' or a named "
+                           "function (the output is then constrained to a call), or 'none'", "tool_choice", "unsupported_value")
+        return choice
 
     def _token(self, tid: int) -> dict:
         text = self.tokenizer.decode([tid])
         return {"token": text, "bytes": list(text.encode("utf-8", "surrogatepass"))}
 
     def _format_logprobs(self, ids: list[int], lps: list | None, chat: bool, offset: int = 0) -> dict | None:
-        """OpenAI's logprobs object: chat {"content": [...]}, completions {tokens, token_logprobs, ...}."""
+        """OpenAI's logprobs object: chat {"content": [...]}, completions {tokens, token_logprobs, ...}.
+        Completions also take None for a token without one (an echoed prompt's first: null, as OpenAI's)."""
         if lps is None:
             return None
         if chat:
@@ -542,8 +969,17 @@ class OpenAIIngress:
                                 for t, (lp, alts) in zip(ids, lps)], "refusal": None}
         tokens = [self._token(t)["token"] for t in ids]
         offsets = [offset + sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
-        return {"tokens": tokens, "token_logprobs": [lp for lp, _ in lps], "text_offset": offsets,
-                "top_logprobs": [{self._token(a)["token"]: alp for a, alp in alts} for _, alts in lps]}
+        return {"tokens": tokens, "token_logprobs": [None if e is None else e[0] for e in lps], "text_offset": offsets,
+                "top_logprobs": [None if e is None else {self._token(a)["token"]: alp for a, alp in e[1]} for e in lps]}
+
+    def _prompt_logprobs(self, first: dict, ids: list[int]) -> dict:
+        """An echoed prompt's logprobs object (completions), from the engine's first event: one entry per
+        prompt token, None for the first (null in the answer, as OpenAI's)."""
+        entries = first.get("prompt_logprobs")
+        if entries is None or len(entries) != len(ids):
+            log.error("the engine's first event has no prompt_logprobs for %d prompt tokens", len(ids))
+            raise APIError(500, "internal error: the engine did not return the prompt's logprobs", code="internal_error")
+        return self._format_logprobs(ids, entries, chat=False)
 
     def _pick_group(self) -> str:
         """The live group with the fewest requests in flight per Router replica (a group of 4 replicas
@@ -578,25 +1014,51 @@ class OpenAIIngress:
                     self.down.discard(g)
             await asyncio.sleep(period_s)
 
-    async def _respond(self, request: Request, body: SamplingFields, prompts: list[list[int]], max_tokens: int, chat: bool):
-        """Each choice (prompts x n) is its own request to the least-loaded group; the answers merge."""
-        params = self._params(body, max_tokens)
+    async def _respond(self, request: Request, body: SamplingFields, prompts: list[list[int]], max_tokens: int, chat: bool,
+                       tools: toolcalls.Choice | None = None, echo: list[str] | None = None):
+        """Each choice (prompts x n) is its own request to the least-loaded group; the answers merge.
+        tools: chat's resolved tool_choice (calls found in or forced on each choice's text); echo:
+        completions' prompt text to put before each choice's text."""
+        params = self._params(body, max_tokens, tools)
         if len(prompts) * body.n > MAX_CHOICES:
             raise APIError(400, f"n: at most {MAX_CHOICES} choices per request (prompts x n)", "n", "invalid_value")
+        jobs = [(ids, params if params["seed"] is None else {**params, "seed": params["seed"] + j})
+                for ids in prompts for j in range(body.n)]  # choice index = prompt index * n + j
+        n_prompt = sum(len(ids) for ids in prompts)
+
+        def reply(firsts: list[dict], leases: list[_GroupLease], rid: str):
+            meta = {"id": ("chatcmpl-" if chat else "cmpl-") + rid, "created": int(time.time()), "model": self.model_name}
+            answers = [toolcalls.ChatAnswer(tools) for _ in jobs] if chat else None
+            echoes = None  # completions' echo: per choice, the prompt's text and its tokens' logprobs (if asked)
+            if echo is not None:
+                echoes = [(text, self._prompt_logprobs(first, ids) if params["logprobs"] is not None else None)
+                          for text, first, (ids, _) in zip(echo, firsts, jobs)]
+            if not body.stream:
+                return self._collect(firsts, leases, meta, n_prompt, chat, answers, echoes)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return self._sse(firsts, leases, meta, n_prompt, chat, include_usage, answers, echoes)
+
+        return await self.start_streams(request, jobs, body.stream, reply)
+
+    async def start_streams(self, request: Request, jobs: list[tuple[list[int], dict]], stream: bool, reply):
+        """Send each job (prompt ids, engine params) to the least-loaded group as its own router request,
+        wait for every first event (an error event becomes the HTTP error), then let `reply(firsts,
+        leases, rid)` answer: unstreamed, a coroutine giving the body; streamed, an async generator of
+        server-sent events that owns the leases from then on (its `finally` must end them). Every
+        endpoint that generates goes through here, so draining, leases, rerouting and a client that
+        leaves are handled once."""
         if self.draining:
             raise APIError(503, "the server is shutting down; retry on another instance", code="draining", retry_after=5)
         rid = request_id(request)
         self._watch()
-        jobs = [(ids, params if params["seed"] is None else {**params, "seed": params["seed"] + j})
-                for ids in prompts for j in range(body.n)]  # choice index = prompt index * n + j
         leases: list[_GroupLease] = []
-        stream = None  # once set, the SSE generator owns the leases
+        events = None  # once set, the SSE generator owns the leases
         try:
             for c, (ids, p) in enumerate(jobs):
                 lease = _GroupLease(self.in_flight, self._pick_group(), self)
                 leases.append(lease)
                 lease.upstream = RouterStream(self.routers[lease.group], ids, p, rid if len(jobs) == 1 else f"{rid}-{c}",
-                                              body.stream, self.max_resubmits, self.resubmit_wait_s,
+                                              stream, self.max_resubmits, self.resubmit_wait_s,
                                               reroute=lease.reroute if len(self.routers) > 1 else None)
                 lease.upstream.start()
             firsts = await asyncio.gather(*(lease.upstream.next() for lease in leases))
@@ -605,25 +1067,25 @@ class OpenAIIngress:
                     status = first["status"]
                     code = {400: "invalid_value", 503: "engine_unavailable"}.get(status)
                     raise APIError(status, first["error"], code=code, retry_after=first.get("retry_after"))
-            meta = {"id": ("chatcmpl-" if chat else "cmpl-") + rid, "created": int(time.time()), "model": self.model_name}
-            n_prompt = sum(len(ids) for ids in prompts)
-            if not body.stream:
-                return await self._collect(firsts, leases, meta, n_prompt, chat)
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
-            stream = self._sse(firsts, leases, meta, n_prompt, chat, include_usage)
+            if not stream:
+                return await reply(firsts, leases, rid)
+            events = reply(firsts, leases, rid)
             for lease in leases:
-                lease.end_with(stream)
-            return StreamingResponse(stream, media_type="text/event-stream")
+                lease.end_with(events)
+            return StreamingResponse(events, media_type="text/event-stream")
         except asyncio.CancelledError:  # the client left while this handler waited on the engine
             for lease in leases:
                 lease.end(finished=False)
             raise
         finally:
-            if stream is None:  # answered or refused here: cancel what is still generating for nobody
+            if events is None:  # answered or refused here: cancel what is still generating for nobody
                 for lease in leases:
                     lease.end(finished=lease.upstream is None or lease.upstream.finished)
 
-    async def _collect(self, firsts: list[dict], leases: list[_GroupLease], meta: dict, n_prompt: int, chat: bool):
+    async def _collect(self, firsts: list[dict], leases: list[_GroupLease], meta: dict, n_prompt: int, chat: bool,
+                       answers: list[toolcalls.ChatAnswer] | None = None, echoes: list[tuple[str, dict | None]] | None = None):
+        """The unstreamed answer. answers: chat's per-choice message builders (tool calls); echoes:
+        completions' per-choice prompt text and its logprobs, put first."""
         cached = [0] * len(leases)
 
         async def one(c: int, first: dict, events: RouterStream) -> tuple[str, list[int], list | None, str | None]:
@@ -640,31 +1102,41 @@ class OpenAIIngress:
             cached[c] = ev.get("stats", {}).get("cached_tokens", 0)
             return "".join(text), ids, lps, ev["finish_reason"]
 
-        answers = await asyncio.gather(*(one(c, f, lease.upstream) for c, (f, lease) in enumerate(zip(firsts, leases))))
+        outputs = await asyncio.gather(*(one(c, f, lease.upstream) for c, (f, lease) in enumerate(zip(firsts, leases))))
         choices = []
-        for c, (content, ids, lps, reason) in enumerate(answers):
-            choice = {"index": c, "finish_reason": reason, "logprobs": self._format_logprobs(ids, lps, chat)}
-            choice.update({"message": {"role": "assistant", "content": content}} if chat else {"text": content})
-            choices.append(choice)
-        n_out = sum(len(ids) for _, ids, _, _ in answers)
+        for c, (text, ids, lps, reason) in enumerate(outputs):
+            if chat:
+                message, reason = (answers[c] if answers else toolcalls.ChatAnswer(None)).message(text, reason)
+                choice = {"index": c, "message": message, "logprobs": self._format_logprobs(ids, lps, chat)}
+            else:
+                prompt_text, prompt_lps = echoes[c] if echoes else ("", None)
+                logprobs = self._format_logprobs(ids, lps, chat, offset=len(prompt_text))
+                choice = {"index": c, "text": prompt_text + text, "logprobs": _joined(prompt_lps, logprobs)}
+            choices.append(choice | {"finish_reason": reason})
+        n_out = sum(len(ids) for _, ids, _, _ in outputs)
         return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
                 "usage": _usage(n_prompt, n_out, max(cached))}
 
     async def _sse(self, firsts: list[dict], leases: list[_GroupLease], meta: dict, n_prompt: int, chat: bool,
-                   include_usage: bool):
+                   include_usage: bool, answers: list[toolcalls.ChatAnswer] | None = None,
+                   echoes: list[tuple[str, dict | None]] | None = None):
+        """The streamed answer: chat deltas (text, or tool calls as `answers` find or force them) or
+        completions text (after the echoed prompt of `echoes`), then usage and [DONE]."""
         obj = "chat.completion.chunk" if chat else "text_completion"
+        answers = answers or [toolcalls.ChatAnswer(None) for _ in leases]
 
         offsets = [0] * len(leases)  # completions' text_offset runs on across chunks
 
-        def chunk(c: int, text: str | None, finish: str | None, role: bool = False, ev: dict | None = None) -> str:
-            lps = self._format_logprobs(ev["token_ids"], ev["logprobs"], chat, offsets[c]) if ev and "logprobs" in ev else None
+        def chunk(c: int, finish: str | None, delta: dict | None = None, text: str = "", lps: dict | None = None) -> str:
             if chat:
-                delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-                choice = {"index": c, "delta": delta, "logprobs": lps, "finish_reason": finish}
+                choice = {"index": c, "delta": delta or {}, "logprobs": lps, "finish_reason": finish}
             else:
-                choice = {"index": c, "text": text or "", "logprobs": lps, "finish_reason": finish}
-                offsets[c] += len(text or "")
+                choice = {"index": c, "text": text, "logprobs": lps, "finish_reason": finish}
+                offsets[c] += len(text)
             return f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice]})}\n\n"
+
+        def logprobs(c: int, ev: dict) -> dict | None:
+            return self._format_logprobs(ev["token_ids"], ev["logprobs"], chat, offsets[c]) if "logprobs" in ev else None
 
         # One pump per choice feeds a queue, so choices stream as their tokens come, interleaved. The
         # queue is small: a slow client slows the pumps (backpressure), and a client that leaves finds
@@ -681,9 +1153,11 @@ class OpenAIIngress:
         pumps = [asyncio.ensure_future(pump(c, f, lease.upstream)) for c, (f, lease) in enumerate(zip(firsts, leases))]
         n_out, open_choices, cached = 0, len(pumps), 0
         try:
-            if chat:
-                for c in range(len(pumps)):
-                    yield chunk(c, "", None, role=True)
+            for c in range(len(pumps)):
+                if chat:
+                    yield chunk(c, None, {"role": "assistant", "content": ""})
+                elif echoes:
+                    yield chunk(c, None, text=echoes[c][0], lps=echoes[c][1])
             while open_choices:
                 c, ev = await queue.get()
                 n_out += len(ev["token_ids"])
@@ -691,12 +1165,23 @@ class OpenAIIngress:
                     err = {"message": ev["error"], "type": ERROR_TYPES[503], "param": None, "code": "engine_error"}
                     yield f"data: {json.dumps({'error': err})}\n\n"
                     return
-                if ev["text"] or ev.get("logprobs"):
-                    yield chunk(c, ev["text"], None, ev=ev)
+                lps = logprobs(c, ev) if ev.get("logprobs") else None
+                if chat:
+                    # text held back (a tool call being read) still sends its tokens' logprobs
+                    deltas = answers[c].deltas(ev["text"]) or ([{}] if lps else [])
+                    for i, delta in enumerate(deltas):
+                        yield chunk(c, None, delta, lps=lps if i == 0 else None)
+                elif ev["text"] or lps:
+                    yield chunk(c, None, text=ev["text"], lps=lps)
                 if ev["finished"]:
                     open_choices -= 1
                     cached = max(cached, ev.get("stats", {}).get("cached_tokens", 0))
-                    yield chunk(c, None if chat else "", ev["finish_reason"])
+                    reason = ev["finish_reason"]
+                    if chat:
+                        deltas, reason = answers[c].end(reason)
+                        for delta in deltas:
+                            yield chunk(c, None, delta)
+                    yield chunk(c, reason)
             if include_usage:
                 usage = _usage(n_prompt, n_out, cached)
                 yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [], 'usage': usage})}\n\n"

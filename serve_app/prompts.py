@@ -2,10 +2,15 @@
 
 Chat messages come in every shape the OpenAI chat API defines for text: `content` a string, a list
 of text parts, or null (an assistant turn that only called tools); the `developer` role (OpenAI's
-newer name for `system`); extra fields such as `name`. Image, audio and file parts are refused.
+newer name for `system`); `name`; an assistant's `tool_calls` and `refusal`, a tool result's
+`tool_call_id`. Image, audio and file parts are refused. Earlier tool calls and results reach the
+chat template in the shape it reads (serve_app/tools.py), and `tools` are rendered by templates that
+render them.
 """
 
 from __future__ import annotations
+
+from serve_app.tools import check_tool_calls, render_history, template_supports_tools
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TEMPLATE_ROLES = {"developer": "system"}  # what chat templates know the newer role as
@@ -42,17 +47,31 @@ def message_text(content, where: str) -> str:
 
 
 def normalize_messages(messages) -> list[dict]:
-    """[{role, content: str}] in the roles chat templates know, from any OpenAI text message shape."""
+    """[{role, content: str}] in the roles chat templates know, from any OpenAI text message shape; an
+    assistant turn's tool calls come along as "tool_calls" ({"id", "name", "arguments": dict}) and a
+    tool result's id as "tool_call_id"."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("'messages' must be a non-empty list")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise ValueError(f"messages[{i}] must be {{'role': one of {ROLES}, 'content': string or text parts}}")
+        calls = m.get("tool_calls")
+        if calls is not None and m["role"] != "assistant":
+            raise ValueError(f"messages[{i}].tool_calls: only an assistant message has tool calls")
         if m.get("content") is None and m["role"] != "assistant":
             raise ValueError(f"messages[{i}].content is required for role '{m['role']}'")
-        out.append({"role": TEMPLATE_ROLES.get(m["role"], m["role"]),
-                    "content": message_text(m.get("content"), f"messages[{i}].content")})
+        text = message_text(m.get("content"), f"messages[{i}].content")
+        if m.get("refusal"):  # an assistant turn that refused: its words stay in the conversation
+            text = "\n".join(t for t in (text, check_text(m["refusal"], f"messages[{i}].refusal")) if t)
+        msg = {"role": TEMPLATE_ROLES.get(m["role"], m["role"]), "content": text}
+        if calls:
+            msg["tool_calls"] = check_tool_calls(calls, f"messages[{i}].tool_calls")
+        if m["role"] == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise ValueError(f"messages[{i}].tool_call_id is required for role 'tool' (the id of the call it answers)")
+            msg["tool_call_id"] = m["tool_call_id"]
+        out.append(msg)
     return out
 
 
@@ -69,11 +88,17 @@ def encode_prompt(tokenizer, prompt: str | None = None, messages: list | None = 
     return tokenizer.encode(prompt)
 
 
-def encode_chat(tokenizer, messages: list) -> list[int]:
+def encode_chat(tokenizer, messages: list, tools: list[dict] | None = None) -> list[int]:
+    """Token ids of chat messages through the chat template, with `tools` (OpenAI function tools)
+    rendered by it; only for a template that renders tools (`template_supports_tools`)."""
     messages = normalize_messages(messages)
-    if not any(m["content"].strip() for m in messages):
+    if not any(m["content"].strip() or m.get("tool_calls") for m in messages):
         raise ValueError("messages are all empty")
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model has no chat template: send a plain 'prompt' instead")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    native = template_supports_tools(tokenizer)
+    if tools and not native:
+        raise ValueError("this model's chat template does not render tools")
+    text = tokenizer.apply_chat_template(render_history(messages, native), tools=tools or None, tokenize=False,
+                                         add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)

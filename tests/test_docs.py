@@ -299,6 +299,19 @@ def test_module_map_matches_the_code(package):
     assert not gone, f"the module map in docs/architecture.md names modules {package}/ no longer has: {gone}"
 
 
+def test_http_api_names_every_chat_and_completions_request_field():
+    """Every field deployments/openai_fields.py sorts (OpenAI's and vLLM's, both endpoints) is named in
+    docs/http-api.md's request-fields section, so none is undocumented."""
+    from deployments import openai_fields
+
+    text = section((DOCS / "http-api.md").read_text(encoding="utf-8"), "Chat and completions request fields")
+    assert text, "docs/http-api.md has no 'Chat and completions request fields' section"
+    named = set(inline_code(text.splitlines()))
+    fields = openai_fields.fields("chat") | openai_fields.fields("completions")
+    missing = sorted(f for f in fields if f not in named)
+    assert not missing, f"request fields docs/http-api.md does not name: {missing}"
+
+
 def test_the_checks_can_fail(tmp_path):
     """Each checker finds the mistake planted in a small broken page."""
     (tmp_path / "docs").mkdir()

@@ -8,10 +8,14 @@ from serve_app.prompts import encode_prompt, normalize_messages
 def test_message_shapes_normalize_to_role_and_text():
     msgs = [{"role": "developer", "content": "be brief"},
             {"role": "user", "name": "ann", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-            {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+            {"role": "tool", "tool_call_id": "1", "content": "2"},
             {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}]
     assert normalize_messages(msgs) == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"},
-                                        {"role": "assistant", "content": ""}, {"role": "assistant", "content": "no"}]
+                                        {"role": "assistant", "content": "", "tool_calls": [{"id": "1", "name": "f", "arguments": {"x": 1}}]},
+                                        {"role": "tool", "content": "2", "tool_call_id": "1"},
+                                        {"role": "assistant", "content": "no"}]
 
 
 @pytest.mark.parametrize("msgs, message", [
@@ -24,6 +28,12 @@ def test_message_shapes_normalize_to_role_and_text():
     ([{"role": "user", "content": "a\ud800"}], "lone surrogate"),
     ([{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}], "messages[0].content[0] holds a lone surrogate"),
     ([], "non-empty list"),
+    ([{"role": "tool", "content": "2"}], "tool_call_id is required for role 'tool'"),
+    ([{"role": "user", "content": "a", "tool_calls": []}], "only an assistant message has tool calls"),
+    ([{"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f"}}]}],
+     "'name' and 'arguments'"),
+    ([{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{x"}}]}], "arguments: not valid JSON"),
 ])
 def test_bad_messages_say_what_is_wrong(msgs, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):

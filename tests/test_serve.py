@@ -702,6 +702,269 @@ def test_metrics_on_the_api_port_with_vllm_names(service):
     assert info[("A", "measured")] == info[("B", "measured")] == 1.0 and info[("A", "predicted")] == 0.0
 
 
+def test_responses_api_gives_chats_text_plain_and_streamed(service):
+    """POST /v1/responses through the openai client: the text chat completions give for the same
+    messages (instructions = the system message), plain, as raw stream events, and through the
+    client's stream helper; an answer cut at max_output_tokens is "incomplete"."""
+    c = service["client"]
+
+    def chat(messages, n):
+        return c.chat.completions.create(model=MODEL, messages=messages, max_tokens=n, temperature=0)
+
+    plain = chat([{"role": "user", "content": "the cat sat"}], 12)
+    expected, cut = plain.choices[0].message.content, plain.choices[0].finish_reason == "length"
+    assert expected and cut  # the tiny model runs to the limit here: the incomplete path is what is tested
+    r = c.responses.create(model=MODEL, input="the cat sat", max_output_tokens=12, temperature=0)
+    assert r.output_text == expected and r.id.startswith("resp_") and r.object == "response"
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (plain.usage.prompt_tokens, plain.usage.completion_tokens)
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+
+    guided = chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat sat"}], 12)
+    with_instructions = c.responses.create(model=MODEL, instructions="be brief", input="the cat sat",
+                                           max_output_tokens=12, temperature=0)
+    items = c.responses.create(model=MODEL, max_output_tokens=12, temperature=0, input=[
+        {"role": "developer", "content": "be brief"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "the cat sat"}]}])
+    assert with_instructions.output_text == items.output_text == guided.choices[0].message.content
+    assert with_instructions.instructions == "be brief"
+
+    short = c.responses.create(model=MODEL, input="the cat sat", max_output_tokens=3, temperature=0)
+    assert short.status == "incomplete" and short.usage.output_tokens == 3 and expected.startswith(short.output_text)
+
+    events = list(c.responses.create(model=MODEL, input="the cat sat", max_output_tokens=12, temperature=0, stream=True))
+    types = [e.type for e in events]
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert set(types[4:-4]) == {"response.output_text.delta"} and len(types) > 9  # one delta per piece of text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected
+    assert events[-1].response.output_text == expected and events[-1].response.usage.output_tokens == 12
+
+    with c.responses.stream(model=MODEL, input="the cat sat", max_output_tokens=12, temperature=0) as stream:
+        helped = list(stream)
+    deltas = [e for e in helped if e.type == "response.output_text.delta"]
+    assert deltas[-1].snapshot == expected and helped[-1].type == "response.incomplete"
+
+
+def test_responses_api_logprobs_no_effect_fields_and_refusals(service):
+    c, url = service["client"], service["url"]
+    lp = c.responses.create(model=MODEL, input="the cat", max_output_tokens=4, temperature=0, top_logprobs=2,
+                            include=["message.output_text.logprobs"])
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "the cat"}], max_tokens=4,
+                                     temperature=0, logprobs=True, top_logprobs=2)
+    got, want = lp.output[0].content[0].logprobs, chat.choices[0].logprobs.content
+    assert [(x.token, x.logprob, len(x.top_logprobs)) for x in got] == [(x.token, x.logprob, 2) for x in want]
+
+    base = c.responses.create(model=MODEL, input="the cat", max_output_tokens=6, temperature=0)
+    accepted = c.responses.create(model=MODEL, input="the cat", max_output_tokens=6, temperature=0, store=True,
+                                  metadata={"k": "v"}, user="u", safety_identifier="s", service_tier="flex",
+                                  prompt_cache_key="p", parallel_tool_calls=False, truncation="disabled", tools=[],
+                                  tool_choice="auto")
+    assert accepted.output_text == base.output_text and accepted.metadata == {"k": "v"}
+
+    for field, value in [("tools", [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}]),
+                         ("previous_response_id", base.id), ("background", True), ("reasoning", {"effort": "high"})]:
+        with pytest.raises(APIError) as e:
+            c.responses.create(model=MODEL, input="the cat", **{field: value})
+        assert e.value.status_code == 400 and e.value.param == field and field in e.value.message
+    r = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "input": "the cat", "seed": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    r = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "input": "the cat", "max_output_tokens": 500})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens"
+    r = httpx.post(f"{url}/v1/responses", content="[1, 2]", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(f"{url}/v1/responses/{base.id}").status_code == 404  # nothing is stored to fetch
+    assert httpx.post(f"{url}/secured/v1/responses", json={"model": MODEL, "input": "the cat"}).status_code == 401
+
+
+# ---- requests mean what they say (tests/test_semantics.py tests the HTTP layer without Ray) ---------------
+
+def test_every_openai_field_through_the_live_service(service):
+    """Walks deployments/openai_fields.py's tables through the real HTTP path: a refused field set to a
+    value that asks for something is a 400 naming it, and 200 at the values that ask for nothing;
+    every field without effect is a 200; a field nobody knows is a 400 naming it."""
+    from deployments import openai_fields
+    from test_semantics import NO_EFFECT_SAMPLES, REFUSED_SAMPLES
+
+    url = service["url"]
+    for endpoint, path in [("chat", "/v1/chat/completions"), ("completions", "/v1/completions")]:
+        body = {"model": MODEL, "max_tokens": 1, "temperature": 0}
+        body |= {"messages": [{"role": "user", "content": "the cat"}]} if endpoint == "chat" else {"prompt": "the cat"}
+        for name in openai_fields.refused(endpoint):
+            asks, nothing = REFUSED_SAMPLES[name]
+            r = httpx.post(url + path, json=body | {name: asks}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == name and name in r.json()["error"]["message"], r.text
+            for value in nothing:
+                assert httpx.post(url + path, json=body | {name: value}, timeout=60).status_code == 200, (name, value)
+        for name in openai_fields.NO_EFFECT[endpoint]:
+            r = httpx.post(url + path, json=body | {name: NO_EFFECT_SAMPLES[name]}, timeout=60)
+            assert r.status_code == 200, (name, r.text)
+        r = httpx.post(url + path, json=body | {"temprature": 0.5}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temprature" and "unknown field" in r.text
+    r = httpx.post(f"{url}/v1/embeddings", json={"model": MODEL, "input": "x"})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(APIError) as e:  # as the openai client reports it
+        service["client"].completions.create(model=MODEL, prompt="the cat", max_tokens=1, extra_body={"best_of_n": 2})
+    assert e.value.status_code == 400 and e.value.param == "best_of_n"
+
+
+def test_tools_and_auto_on_a_template_without_tools(service):
+    """The tiny model's template renders no tools: "auto" is refused, a named call is forced."""
+    c = service["client"]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(APIError) as e:
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "the cat"}], tools=[tool])
+    assert e.value.status_code == 400 and e.value.param == "tool_choice"
+    # an earlier call and its result are kept as text for such a template
+    r = c.chat.completions.create(model=MODEL, max_tokens=3, temperature=0, messages=[
+        {"role": "user", "content": "the cat"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "red"}])
+    assert r.usage.prompt_tokens > 10 and r.choices[0].message.content
+
+
+# The tests below need the engine's controls (logit_bias, stop_token_ids, prompt_logprobs, structured
+# outputs: serve_app/engine/controls.py, grammar.py).
+
+def token_id(service, word: str) -> int:
+    return httpx.post(f"{service['url']}/tokenize", json={"prompt": word}).json()["tokens"][0]
+
+
+def test_logit_bias_and_stop_token_ids_steer_the_engine(service):
+    c = service["client"]
+    dog = token_id(service, "dog")
+    r = c.completions.create(model=MODEL, prompt="the cat", max_tokens=6, temperature=0, logit_bias={str(dog): 100})
+    assert r.choices[0].text.split() == ["dog"] * 6
+    plain = c.completions.create(model=MODEL, prompt="the cat", max_tokens=6, temperature=0, logprobs=0)
+    first = plain.choices[0].logprobs.tokens[0].strip()
+    banned = c.completions.create(model=MODEL, prompt="the cat", max_tokens=6, temperature=0,
+                                  logit_bias={str(token_id(service, first)): -100})
+    assert banned.choices[0].text.split()[0] != first
+    third = token_id(service, plain.choices[0].logprobs.tokens[2].strip())
+    stopped = c.completions.create(model=MODEL, prompt="the cat", max_tokens=6, temperature=0,
+                                   extra_body={"stop_token_ids": [third]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens <= 3
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_returns_the_prompts_logprobs(service, stream):
+    c = service["client"]
+    prompt = "the cat sat on the"
+    n_prompt = len(httpx.post(f"{service['url']}/tokenize", json={"prompt": prompt}).json()["tokens"])
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2, stream=stream)
+    if stream:
+        parts = [ch.choices[0] for ch in r]
+        text = "".join(p.text for p in parts)
+        token_logprobs = [x for p in parts if p.logprobs for x in p.logprobs.token_logprobs]
+        top = [x for p in parts if p.logprobs for x in p.logprobs.top_logprobs]
+    else:
+        text, lp = r.choices[0].text, r.choices[0].logprobs
+        token_logprobs, top = lp.token_logprobs, lp.top_logprobs
+    assert text.startswith(prompt) and len(token_logprobs) == n_prompt + 4
+    assert token_logprobs[0] is None and top[0] is None
+    assert all(x is not None and x <= 0 for x in token_logprobs[1:]) and all(len(t) >= 1 for t in top[1:])
+
+
+@pytest.fixture(scope="module")
+def smol(service):
+    """The embedded SmolLM2 (which spells JSON) with its EAGLE-3 draft at k = 2, as a fourth application
+    on the module's cluster, pinned to the head node."""
+    from deployments.app import build_app
+
+    cfg = {"model": {"target": "embedded", "dtype": "float32"},
+           "engine": {"policy": "fixed:2", "max_batch_size": 4, "max_model_len": 1024},
+           "groups": [{"name": "S", "gpu_type": "S", "torch_threads": 1, "resources": {"head": 0.01}}],
+           "served_model_name": "smol", "profiles_dir": None, "max_tokens_limit": 128}
+    serve.run(build_app(cfg), name="smol", route_prefix="/smol")
+    yield OpenAI(base_url=f"{service['url']}/smol/v1", api_key="unused", max_retries=0, timeout=180)
+    serve.delete("smol")
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city today",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                                                           "required": ["city"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+
+
+def test_json_schema_output_is_valid_json_plain_and_streamed(smol):
+    msgs = [{"role": "user", "content": "Describe a person as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    r = smol.chat.completions.create(model="smol", messages=msgs, max_tokens=60, temperature=0, response_format=fmt)
+    person = json.loads(r.choices[0].message.content)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int) and r.choices[0].finish_reason == "stop"
+    chunks = smol.chat.completions.create(model="smol", messages=msgs, max_tokens=60, temperature=0, response_format=fmt, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == r.choices[0].message.content
+    r = smol.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=5,
+                                     temperature=0, extra_body={"guided_choice": ["yes", "no"]})
+    assert r.choices[0].message.content in ("yes", "no")
+
+
+def test_forced_tool_calls_on_the_embedded_model(smol):
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = smol.chat.completions.create(model="smol", messages=msgs, max_tokens=40, temperature=0, tools=[WEATHER, CLOCK],
+                                     tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+    assert r.choices[0].message.content is None and r.choices[0].finish_reason == "tool_calls"
+    chunks = list(smol.chat.completions.create(model="smol", messages=msgs, max_tokens=80, temperature=0,
+                                               tools=[WEATHER, CLOCK], tool_choice="required", stream=True))
+    deltas = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
+    heads = [d for d in deltas if d.id]
+    assert heads and all(d.function.name in ("get_weather", "get_time") for d in heads)
+    for i, head in enumerate(heads):  # each call's arguments, put together from its deltas, are its tool's JSON
+        args = json.loads("".join(d.function.arguments for d in deltas if d.index == i))
+        assert set(args) == {"city"} if head.function.name == "get_weather" else args["zone"] in ("UTC", "CET")
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_controls_through_ray_give_the_target_alone_text_on_both_groups(service):
+    """Penalties, logit_bias, min_tokens and stop ids applied by the worker actors: group A (k = 1) and
+    group B (k = 3) both return what a plain decoder over the target applies them to gives."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = service["root"]
+    target = AutoModelForCausalLM.from_pretrained(root / "target", dtype=torch.float64).eval()
+    tok = AutoTokenizer.from_pretrained(root / "target")
+    eos = tok.convert_tokens_to_ids("<eos>")
+    prompt = tok.encode("the cat sat on the")
+    controls = {"frequency_penalty": 1.5, "presence_penalty": 0.3, "repetition_penalty": 1.4,
+                "logit_bias": {7: 3.0, 8: -100.0}, "min_tokens": 6}
+
+    def reference(n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n:
+            with torch.no_grad():
+                x = target(torch.tensor([prompt + out])).logits[0, -1].clone()
+            if len(out) < controls["min_tokens"]:
+                x[eos] = float("-inf")
+            for t, v in controls["logit_bias"].items():
+                x[t] += v
+            for t in set(prompt) | set(out):
+                x[t] = x[t] / 1.4 if x[t] > 0 else x[t] * 1.4
+                c = out.count(t)
+                x[t] -= 1.5 * c + 0.3 * (c > 0)
+            out.append(int(x.argmax()))
+            if out[-1] == eos:
+                break
+        return out
+
+    want = reference(12)
+    for group in "AB":
+        events = list(router(group).options(stream=True).generate.remote(
+            prompt, {"max_tokens": 12, "temperature": 0.0, **controls}, f"controls-{group}", False))
+        assert "error" not in events[-1], events[-1]
+        assert events[-1]["token_ids"] == want, group
+    plain = list(router("A").options(stream=True).generate.remote(prompt, {"max_tokens": 12}, "plain", False))
+    assert plain[-1]["token_ids"] != want  # the controls changed the text
+
+
 def test_fuzzed_bodies_never_get_a_5xx(service):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st

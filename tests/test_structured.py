@@ -113,3 +113,40 @@ def test_prompt_logprobs_equal_the_models_own(models):
         lp, alts = got[t]
         assert abs(lp - lsm[t - 1, ids[t]].item()) < 1e-4
         assert [a for a, _ in alts] == lsm[t - 1].topk(2).indices.tolist()
+
+
+def test_float32_greedy_with_controls_is_the_target_alone_at_any_k(models):
+    """The issue's bar on the embedded model in float32: penalties, logit_bias and min_tokens give the
+    same text at k = 0, 1, 3, 7 (EAGLE-3 draft) as a plain decoder over the target with the same controls."""
+    tok = models.tokenizer
+    eos = sorted({tok.eos_token_id} | set(models.target.generation_config.eos_token_id
+                                           if isinstance(models.target.generation_config.eos_token_id, list)
+                                           else [models.target.generation_config.eos_token_id]))
+    controls = [dict(frequency_penalty=0.8, presence_penalty=0.4, min_tokens=10),
+                dict(repetition_penalty=1.3, logit_bias={tok.encode(" the", add_special_tokens=False)[0]: -100.0}),
+                dict(logit_bias={tok.encode(" very", add_special_tokens=False)[0]: 4.0}, frequency_penalty=1.0)]
+    prompts = [chat_ids(models, t) for t in ("Say hi.", "Describe the sea in one sentence.", "List three fruits.")]
+
+    def reference(ids, c):
+        out = []
+        while len(out) < 24:
+            with torch.no_grad():
+                x = models.target(torch.tensor([ids + out])).logits[0, -1].float()
+            if len(out) < c.get("min_tokens", 0):
+                x[eos] = float("-inf")
+            for t, v in c.get("logit_bias", {}).items():
+                x[t] += v
+            rp = c.get("repetition_penalty", 1.0)
+            for t in set(out) | (set(ids) if rp != 1.0 else set()):
+                x[t] = x[t] / rp if x[t] > 0 else x[t] * rp
+                n = out.count(t)
+                x[t] -= c.get("frequency_penalty", 0.0) * n + c.get("presence_penalty", 0.0) * (n > 0)
+            out.append(int(x.argmax()))
+            if out[-1] in eos:
+                break
+        return out
+
+    want = [reference(ids, c) for ids, c in zip(prompts, controls)]
+    for k in (0, 1, 3, 7):
+        reqs = run(models, f"fixed:{k}", [(ids, SamplingParams(max_tokens=24, **c)) for ids, c in zip(prompts, controls)])
+        assert [r.output_ids for r in reqs] == want, k

@@ -119,13 +119,14 @@ def run(models, k: int, cases: list[dict], grammar: bool, max_tokens: int, batch
 
 
 def markdown(runs: list[dict]) -> str:
-    lines = ["| grammar | k | valid JSON (schema) | finished by length | tokens per step | drafted accepted | wall s |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| grammar | k | valid JSON (schema) | finished by length | tokens per step | drafted accepted | tokens | wall s | ms per token |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
         length = sum(c["finish"] == "length" for c in r["cases"])
         acc = r["accepted"] / r["proposed"] if r["proposed"] else 0.0
         lines.append(f"| {'on' if r['grammar'] else 'off'} | {r['k']} | {r['valid']} / {r['n']} | {length} | "
-                     f"{r['tokens_per_step']:.2f} | {acc:.2f} | {r['wall_s']:.0f} |")
+                     f"{r['tokens_per_step']:.2f} | {acc:.2f} | {r['tokens']} | {r['wall_s']:.0f} | "
+                     f"{1000 * r['wall_s'] / max(r['tokens'], 1):.1f} |")
     bad = [f"- {c['name']} (grammar {'on' if r['grammar'] else 'off'}): {c['text'][:160]!r}"
            for r in runs for c in r["cases"] if not c["valid"]]
     return "\n".join(lines) + "\n" + ("\nAnswers that do not validate:\n" + "\n".join(bad) + "\n" if bad else "")
