@@ -384,8 +384,8 @@ class SamplingFields(BaseModel):
     structured_outputs: VllmStructuredOutputs | None = None
     """vLLM's newer form of the four above: one of json, json_object, regex, choice, grammar."""
 
-    min_p: float | None = None
-    """Refused unless 0 or null (not implemented)."""
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    """Keep only tokens at least min_p times as likely as the most likely one; 0 or null keeps all."""
 
     skip_special_tokens: bool | None = None
     """Refused unless true or null (special tokens are always left out)."""
@@ -870,6 +870,8 @@ class OpenAIIngress:
                           ("ignore_eos", False)):
             if getattr(body, name) != off:
                 out[name] = getattr(body, name)
+        if body.min_p:
+            out["min_p"] = body.min_p
         if body.min_tokens:
             if body.min_tokens > max_tokens:
                 raise APIError(400, f"min_tokens: {body.min_tokens} is more than max_tokens ({max_tokens})", "min_tokens", "invalid_value")

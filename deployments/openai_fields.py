@@ -92,12 +92,11 @@ REFUSED = {
 
 VLLM_HANDLED = frozenset({
     "top_k", "min_tokens", "ignore_eos", "stop_token_ids", "repetition_penalty", "bad_words",
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "min_p",
 })
 """vLLM's extra fields that take effect, on both endpoints."""
 
 VLLM_REFUSED = {
-    "min_p": Refused("null or 0", "min-p sampling is not implemented", lambda v, _req: v is None or v == 0),
     "skip_special_tokens": Refused("null or true", "special tokens are always left out of the text", _none_or(True)),
     "spaces_between_special_tokens": Refused("null or true", "special tokens are never in the text", _none_or(True)),
 }

@@ -154,6 +154,9 @@ class SamplingParams(BaseModel):
     top_k: int = Field(0, ge=0, le=2**31 - 1)
     """Keep only the top_k most likely tokens; 0 keeps all."""
 
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    """Keep only tokens at least min_p times as likely as the most likely one (after temperature); 0 keeps all."""
+
     seed: int | None = None
     """Makes a sampled request reproducible: its tokens come from a coupled sampler whose randomness
     depends only on (seed, position), so the text is the same whatever k is chosen, whatever the batch,

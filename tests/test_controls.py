@@ -126,7 +126,7 @@ def test_seeded_sampling_with_controls_is_the_same_text_at_any_k(eos_target, nea
     texts = []
     for k in (0, 1, 3, 7):
         engine = make_engine(eos_target, near_draft, f"fixed:{k}", max_batch_size=8)
-        reqs = [engine.submit(PROMPTS[i % 6], params(c, temperature=0.9, top_p=0.95, seed=100 + i))
+        reqs = [engine.submit(PROMPTS[i % 6], params(c, temperature=0.9, top_p=0.95, seed=100 + i, min_p=0.05 * (i % 3)))
                 for i, c in enumerate(CONTROLS)]
         engine.run(reqs)
         texts.append([r.output_ids for r in reqs])
@@ -144,12 +144,13 @@ def test_sampling_with_controls_follows_the_controlled_target_distribution():
         draft.lm_head.weight.mul_(30)
     prompt = [1, 2, 3]
     p = SamplingParams(max_tokens=3, temperature=1.0, frequency_penalty=1.2, presence_penalty=0.4,
-                       repetition_penalty=1.3, logit_bias={0: 1.0})
+                       repetition_penalty=1.3, logit_bias={0: 1.0}, min_p=0.3)
 
     def dist(prefix):
         with torch.no_grad():
             logits = target(torch.tensor([prompt + prefix])).logits[0, -1]
-        return reference_controls(logits, prompt, prefix, p).softmax(-1)
+        x = reference_controls(logits, prompt, prefix, p)
+        return x.masked_fill(x < x.max() + torch.log(torch.tensor(p.min_p)), float("-inf")).softmax(-1)
 
     p1 = dist([])
     p2 = {a: dist([a]) for a in range(vocab)}
@@ -196,3 +197,17 @@ def test_out_of_vocabulary_ids_are_refused(eos_target):
     for bad in ({"logit_bias": {500: 1.0}}, {"stop_token_ids": [-1]}):
         with pytest.raises(ValueError, match="token ids must be in"):
             engine.submit([1, 2], params(bad))
+
+
+def test_min_p_one_samples_the_most_likely_token(eos_target, near_draft):
+    """min_p = 1 keeps only the most likely token: sampled and seeded rows decode greedily, at any k."""
+    want = []
+    for k in (0, 3):
+        engine = make_engine(eos_target, near_draft, f"fixed:{k}", max_batch_size=4)
+        greedy = [engine.submit(p, params({})) for p in PROMPTS[:3]]
+        sampled = [engine.submit(p, params({}, temperature=1.0, min_p=1.0, seed=i if i % 2 else None))
+                   for i, p in enumerate(PROMPTS[:3])]
+        engine.run(greedy + sampled)
+        assert [r.output_ids for r in sampled] == [r.output_ids for r in greedy]
+        want.append([r.output_ids for r in greedy])
+    assert want[0] == want[1]

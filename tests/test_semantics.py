@@ -41,7 +41,6 @@ REFUSED_SAMPLES = {
     "moderation": ({"model": "omni-moderation-latest"}, [None]),
     "suffix": ("the end", [None, ""]),
     "best_of": (3, [None, 1]),
-    "min_p": (0.1, [None, 0]),
     "skip_special_tokens": (False, [None, True]),
     "spaces_between_special_tokens": (False, [None, True]),
 }
@@ -260,13 +259,14 @@ def test_sampling_controls_map_into_the_engine_params(api):
     r = api.http.post("/v1/completions", json=base(
         "completions", logit_bias={"7": 100, "8": -100.0, "9": 2.5}, frequency_penalty=0.5, presence_penalty=-1,
         seed=11, stop=["mat"], top_k=5, min_tokens=2, ignore_eos=True, stop_token_ids=[3], repetition_penalty=1.2,
-        bad_words=["dog"], temperature=0.7, top_p=0.9, max_tokens=8))
+        bad_words=["dog"], temperature=0.7, top_p=0.9, min_p=0.05, max_tokens=8))
     assert r.status_code == 200, r.text
     p = api.router.params
     assert p["logit_bias"] == {7: 100.0, 8: -100.0, 9: 2.5}
     assert (p["frequency_penalty"], p["presence_penalty"], p["repetition_penalty"]) == (0.5, -1.0, 1.2)
     assert (p["seed"], p["stop"], p["top_k"], p["temperature"], p["top_p"]) == (11, ["mat"], 5, 0.7, 0.9)
     assert (p["min_tokens"], p["ignore_eos"], p["stop_token_ids"], p["bad_words"]) == (2, True, [3], ["dog"])
+    assert p["min_p"] == 0.05
     # a plain request's params are what they were before these controls existed
     api.http.post("/v1/completions", json=base("completions"))
     assert set(api.router.params) == {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs"}

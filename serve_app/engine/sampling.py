@@ -175,25 +175,31 @@ class Warp:
     temperature: torch.Tensor  # [N] float32, > 0
     top_k: torch.Tensor  # [N] long, 0 = off
     top_p: torch.Tensor  # [N] float32, 1.0 = off
+    min_p: torch.Tensor | None = None  # [N] float32, 0 = off; None: off for every row
 
     @classmethod
     def of(cls, params: list, device) -> "Warp":
         """From SamplingParams (greedy rows get temperature 1: they are never warped)."""
+        min_p = [getattr(p, "min_p", 0.0) for p in params]
         return cls(torch.tensor([p.temperature or 1.0 for p in params], dtype=torch.float32, device=device),
                    torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-                   torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device))
+                   torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+                   torch.tensor(min_p, dtype=torch.float32, device=device) if any(min_p) else None)
 
     def rows(self, index: torch.Tensor) -> "Warp":
-        return Warp(self.temperature[index], self.top_k[index], self.top_p[index])
+        return Warp(self.temperature[index], self.top_k[index], self.top_p[index],
+                    None if self.min_p is None else self.min_p[index])
 
 
 def warp_(logits: torch.Tensor, w: Warp) -> torch.Tensor:  # [N, V] float32, changed in place
-    """Temperature, then top-k, then top-p on the top-k renormalized distribution (a token stays while
+    """Temperature, then min-p, then top-k, then top-p on the top-k renormalized distribution (a token stays while
     the mass strictly before it is below top_p; the first always stays), on a float32 tensor the caller
     owns. Dropped tokens get -inf, so softmax of the result is the distribution a request samples
     from. A token tied with the last kept one is kept too (the cut is a threshold on the logit)."""
     if bool((w.temperature != 1.0).any()):
         logits /= w.temperature[:, None]
+    if w.min_p is not None:
+        _min_p_(logits, w.min_p)
     cut = (w.top_k > 0) | (w.top_p < 1.0)
     if bool(cut.all()):
         logits.copy_(_truncate(logits, w.top_k, w.top_p))
@@ -201,6 +207,14 @@ def warp_(logits: torch.Tensor, w: Warp) -> torch.Tensor:  # [N, V] float32, cha
         rows = cut.nonzero().squeeze(1)
         logits[rows] = _truncate(logits[rows], w.top_k[rows], w.top_p[rows])
     return logits
+
+
+def _min_p_(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:  # [R, V] scaled logits, [R]
+    """min-p: -inf for tokens less likely than min_p times the most likely one (p < min_p * p_max is
+    logit < max logit + log(min_p)); a row with min_p 0 keeps everything."""
+    floor = x.amax(dim=-1) + torch.log(min_p.clamp(min=1e-30))  # [R]
+    floor = torch.where(min_p > 0, floor, torch.full_like(floor, float("-inf")))
+    return x.masked_fill_(x < floor[:, None], float("-inf"))
 
 
 def _truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:  # [R, V]
@@ -264,6 +278,8 @@ def draft_choice(
     # keeps the order, so the top-n of the raw logits are the top-n of the scaled ones.
     vals, ids = _top_candidates(_pick(logits, plain), n)  # [R, n] descending
     vals = vals.float() / w.temperature[plain, None]
+    if w.min_p is not None:  # the top-n hold the row's maximum, so min-p cuts them as it would the row
+        _min_p_(vals, w.min_p[plain])
     q = _truncate(vals, w.top_k[plain], w.top_p[plain]).softmax(dim=-1)  # [R, n]
     tokens[plain] = ids.gather(1, sample(q, u[plain])[:, None]).squeeze(1)
     values[plain], support[plain] = q, ids.int()
