@@ -576,8 +576,10 @@ def _response_format(fmt: dict) -> dict | None:
         raise bad("json_schema.schema: a JSON schema object")
     if not isinstance(spec.get("strict", False), (bool, type(None))) or not isinstance(spec.get("description", ""), str):
         raise bad("json_schema: 'strict' is a boolean and 'description' a string")
-    # strict or not, the output follows the schema: every token is constrained to it
-    return {"json_schema": spec.get("schema", {})}
+    # strict or not, the output follows the schema: every token is constrained to it. Strict also means
+    # OpenAI's rule that objects allow no keys beyond their properties: a schema silent on it is closed.
+    schema = spec.get("schema", {})
+    return {"json_schema": toolcalls.closed(schema) if spec.get("strict") else schema}
 
 
 # (name, type, help, how to read it from a snapshot: counter/gauge key)

@@ -188,7 +188,7 @@ class SamplingParams(BaseModel):
 
     min_tokens: int = Field(0, ge=0)
     """End-of-sequence and `stop_token_ids` are banned (and stop strings not checked) until this many
-    tokens have been generated."""
+    tokens have been generated; not under `structured` (the grammar decides where the output ends)."""
 
     stop_token_ids: list[int] = Field(default_factory=list)
     """Generation also ends (reason "stop") after any of these token ids; the token is kept in the output."""

@@ -126,10 +126,27 @@ def check_tool_choice(choice, tools: list[dict], parallel: bool = True) -> Choic
                     "tool_choice")
 
 
+def closed(schema):
+    """A copy of a function's parameter schema where every object that lists its properties and says
+    nothing about others allows no others: a forced call then holds the arguments the function takes,
+    not keys a small model invents to fill its budget (OpenAI's strict function calling asks the same)."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) if k in ("items", "anyOf", "oneOf", "allOf", "prefixItems", "not") else v for k, v in schema.items()}
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: closed(s) for name, s in schema[key].items()}
+    if "properties" in schema and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
 def required_schema(choice: Choice) -> dict:
     """The JSON schema of a forced answer under "required": a list of calls, each {"name": one of the
     tools, "parameters": that tool's schema}; exactly one call when parallel calls are off."""
-    items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["name"]]}, "parameters": t["parameters"]},
+    items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["name"]]}, "parameters": closed(t["parameters"])},
               "required": ["name", "parameters"], "additionalProperties": False} for t in choice.tools]
     schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
     if not choice.parallel:
@@ -141,7 +158,7 @@ def forced_schema(choice: Choice) -> dict | None:
     """The JSON schema the output is constrained to: the named function's parameters, the list of
     calls for "required"; None for "auto" and "none" (free text)."""
     if choice.mode == "named":
-        return choice.tools[0]["parameters"]
+        return closed(choice.tools[0]["parameters"])
     if choice.mode == "required":
         return required_schema(choice)
     return None

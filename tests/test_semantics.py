@@ -315,7 +315,9 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "require
 @pytest.mark.parametrize("fields, structured", [
     ({"response_format": {"type": "json_object"}}, {"json_object": True}),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA, "strict": True,
-                                                                 "description": "where"}}}, {"json_schema": SCHEMA}),
+                                                                 "description": "where"}}},
+     {"json_schema": {**SCHEMA, "additionalProperties": False}}),  # strict: objects allow only their properties
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA}}}, {"json_schema": SCHEMA}),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "anything"}}}, {"json_schema": {}}),
     ({"guided_json": SCHEMA}, {"json_schema": SCHEMA}),
     ({"guided_json": json.dumps(SCHEMA)}, {"json_schema": SCHEMA}),
@@ -337,7 +339,7 @@ def test_response_format_text_is_no_constraint_and_the_client_sends_json_schema(
     assert "structured" not in api.router.params
     api.client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4, response_format={
         "type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA, "strict": True}})
-    assert api.router.params["structured"] == {"json_schema": SCHEMA}
+    assert api.router.params["structured"] == {"json_schema": toolcalls.closed(SCHEMA)}
 
 
 @pytest.mark.parametrize("fmt, message", [
@@ -374,7 +376,7 @@ NAMED = {"type": "function", "function": {"name": "weather"}}
 def test_a_named_function_is_forced_and_answered_as_a_tool_call(api):
     api.router.pieces = ['{"city": ', '"Paris"}']
     r = api.client.chat.completions.create(model=MODEL, messages=USER, max_tokens=16, tools=[WEATHER, TIME], tool_choice=NAMED)
-    assert api.router.params["structured"] == {"json_schema": SCHEMA}
+    assert api.router.params["structured"] == {"json_schema": toolcalls.closed(SCHEMA)}
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
@@ -579,7 +581,7 @@ def test_required_schema_and_its_answers():
     assert tools[1]["parameters"] == toolcalls.NO_PARAMETERS
     schema = toolcalls.required_schema(toolcalls.Choice("required", tuple(tools), parallel=False))
     assert schema["maxItems"] == 1 and [b["properties"]["name"]["enum"] for b in schema["items"]["anyOf"]] == [["weather"], ["ping"]]
-    assert schema["items"]["anyOf"][0]["properties"]["parameters"] == SCHEMA
+    assert schema["items"]["anyOf"][0]["properties"]["parameters"] == toolcalls.closed(SCHEMA)
     assert toolcalls.parse_required('[{"name": "ping", "parameters": {}}]') == [{"name": "ping", "arguments": "{}"}]
     assert toolcalls.parse_required('[{"name": "ping", "param') is None
 
@@ -669,3 +671,18 @@ def test_fuzzed_tools_formats_and_controls_never_get_a_5xx(monkeypatch):
         assert r.status_code < 500, (path, body, r.text[:300])
 
     check()
+
+
+def test_forced_calls_allow_only_the_arguments_a_function_declares():
+    params = {"type": "object", "properties": {"city": {"type": "string"},
+                                               "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
+                                               "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}}},
+              "required": ["city"]}
+    open_map = {"type": "object", "additionalProperties": {"type": "string"}}
+    fn = {"type": "function", "function": {"name": "f", "parameters": params}}
+    choice = toolcalls.check_tool_choice({"type": "function", "function": {"name": "f"}}, toolcalls.check_tools([fn]))
+    schema = toolcalls.forced_schema(choice)
+    assert schema["additionalProperties"] is False and schema["properties"]["where"]["additionalProperties"] is False
+    assert schema["properties"]["tags"]["items"]["additionalProperties"] is False
+    assert "additionalProperties" not in params  # the client's schema is left as it was
+    assert toolcalls.closed(open_map) == open_map  # a schema that says what else it allows keeps it

@@ -150,3 +150,21 @@ def test_float32_greedy_with_controls_is_the_target_alone_at_any_k(models):
     for k in (0, 1, 3, 7):
         reqs = run(models, f"fixed:{k}", [(ids, SamplingParams(max_tokens=24, **c)) for ids, c in zip(prompts, controls)])
         assert [r.output_ids for r in reqs] == want, k
+
+
+def test_sampled_grammar_the_draft_cannot_spell_is_still_proposed_and_exact(models):
+    """An EAGLE-3 head covers a reduced vocabulary: where the grammar allows only tokens outside it, the
+    draft's masked row has no finite logit. It then proposes uniformly over the allowed tokens (a forced
+    token with probability 1), sampled (top-k / top-p warping a dead row used to crash) and seeded."""
+    choices = ["ζψζ ξ", "ψζψ ω"]
+    jobs = [(chat_ids(models, "Pick one."), SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=20,
+                                                           seed=seed, structured={"choice": choices}))
+            for seed in (None, 5)]
+    texts = {}
+    for k in (0, 3):
+        reqs = run(models, f"fixed:{k}", jobs)
+        texts[k] = [models.tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in reqs]
+        assert all(t in choices for t in texts[k]), texts[k]
+        if k:
+            assert sum(r.stats.accepted for r in reqs) > 0
+    assert texts[0][1] == texts[3][1]  # seeded: the same text at any k

@@ -109,7 +109,7 @@ class Controls:
         p = self.params[b]
         out: list[int] = []
         generated = len(self.contexts[b]) - self.prompt_lens[b] + j
-        if generated < p.min_tokens:
+        if generated < p.min_tokens and self.guides[b] is None:  # a grammar decides where its output ends
             out += list(p.stop_token_ids) + ([] if p.ignore_eos else list(p.eos_token_ids))
         for word in p.bad_words_ids:  # the last token of a word, where the tokens before it were just generated
             head = word[:-1]

@@ -163,9 +163,19 @@ class Guide:
                                    f"({self.matcher.get_error()})")
 
 
+def allowed(bits: torch.Tensor, vocab: int, device) -> torch.Tensor:  # bits [R, W] int32 -> [R, V] bool
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    return ((bits.to(device)[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()
+
+
 def apply_mask_(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:  # [R, V], bits [R, W] int32
-    """-inf where a row's bitmask has a 0 bit (in place)."""
-    vocab = logits.shape[-1]
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bits.to(logits.device)[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab]  # [R, V]
-    return logits.masked_fill_(allowed == 0, float("-inf"))
+    """-inf where a row's bitmask has a 0 bit (in place). A row left with no finite logit (a draft whose
+    reduced vocabulary holds none of the tokens the grammar allows, e.g. a forced quote it never writes)
+    becomes uniform over the allowed tokens instead: any proposal distribution keeps verification exact,
+    and a forced token is then proposed with probability 1."""
+    ok = allowed(bits, logits.shape[-1], logits.device)
+    logits.masked_fill_(~ok, float("-inf"))
+    dead = torch.isinf(logits.amax(dim=-1))
+    if bool(dead.any()):
+        logits[dead] = torch.zeros_like(logits[dead]).masked_fill_(~ok[dead], float("-inf"))
+    return logits
