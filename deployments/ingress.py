@@ -645,6 +645,16 @@ def render_metrics(snapshots: dict[str, dict], model_name: str) -> str:
               f"# TYPE {name} gauge"]
     lines += [f"{name}{{{labels(r, s, source=src, version=s['profile']['version'])}}} {float(src == s['profile']['source'])}"
               for r, s in snapshots.items() if "profile" in s for src in ("measured", "predicted", "none")]
+    calibrated = {r: s["calibration"] for r, s in snapshots.items() if s.get("calibration")}
+    name = "specserve_calibration_factor"
+    lines += [f"# HELP {name} Measured / profiled step time of one part (draft, verify, other) at a profiled batch size, "
+              "as this replica's calibration has it (1: as profiled).", f"# TYPE {name} gauge"]
+    lines += [f"{name}{{{labels(r, snapshots[r], part=part, batch_size=b)}}} {float(f)}"
+              for r, cal in calibrated.items() for part, by_size in cal["factors"].items() for b, f in by_size.items()]
+    name = "specserve_calibration_drift"
+    lines += [f"# HELP {name} Largest |calibrated / profiled - 1| of a whole step over the profile's cells.",
+              f"# TYPE {name} gauge"]
+    lines += [f"{name}{{{labels(r, snapshots[r])}}} {float(cal['drift'])}" for r, cal in calibrated.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -32,6 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from serve_app.config import EngineConfig, ModelConfig, SamplingParams
 from serve_app.models import draft_spec, load_tokenizer, model_names
 from serve_app.engine.policy import AcceptanceEstimate, make_policy, needs_profile
+from serve_app.profiling.calibration import Calibrated, calibrated
 from serve_app.profiling.profiles import Profile
 from serve_app.engine.scheduler import Engine, RequestOutput
 from serve_app.engine.stats import StepStats
@@ -79,6 +80,7 @@ class Router:
         self.last_step = {"batch_size": 0, "k": 0}
         self.k_tally: Tally = Tally()
         self.observed = AcceptanceEstimate(0.0)  # live acceptance under any policy (adaptive keeps its own)
+        self.drifted = False  # calibrated latencies past DRIFT_WARN (logged once each way)
         self.max_batch_seen = 0
         self._poll_task: asyncio.Task | None = None
         self._metrics()
@@ -184,7 +186,9 @@ class Router:
                 if self.profile is None:
                     raise ValueError(f"no profile for hardware type {self.gpu_type} yet")
                 self.profile.check_pair(*self.model_pair, self.dtype)
-                return make_policy(spec, self.profile)
+                policy = make_policy(spec, self.profile)
+                # a new profile means a new calibration: what was learned was relative to the old one
+                return calibrated(policy, self.profile) if self.engine_config.calibrate else policy
             except ValueError as e:
                 self.profile_problem = str(e)
                 log.warning("policy %s: %s; decoding without speculation until a usable profile is pushed", spec, e)
@@ -342,6 +346,32 @@ class Router:
             self.observed.observe(st)
             if st.k:
                 self.m_estimate.set(self.acceptance_estimate())
+            if self.k_tally.total() % 64 == 0:
+                self._watch_drift()
+
+    DRIFT_WARN = 0.2
+    """Calibrated step times this far from the profile's (either way) get a line in the router log."""
+
+    def _watch_drift(self) -> None:
+        cal = self.calibration()
+        drifted = cal is not None and cal["drift"] > self.DRIFT_WARN
+        if drifted != self.drifted:
+            self.drifted = drifted
+            if drifted:
+                log.warning("group %s (%s): steps are %.0f%% off the profile's latencies; steering by the "
+                            "calibrated grid (factors %s); re-profile this machine type", self.group.name,
+                            self.gpu_type, 100 * cal["drift"], cal["factors"])
+            else:
+                log.info("group %s: steps are back within %.0f%% of the profile", self.group.name, 100 * self.DRIFT_WARN)
+
+    def calibration(self) -> dict | None:
+        """The calibration the policy steers by: steps seen and used, factors per part and batch size, drift."""
+        policy = self.engine.policy
+        if not isinstance(policy, Calibrated):
+            return None
+        c = policy.calibration
+        return {"steps": c.steps, "used": c.used, "factors": c.factors(), "drift": round(c.drift(), 4),
+                "profile_version": self.profile_version}
 
     # ---- profiles, health, introspection ----------------------------------------------------
     def _ensure_poll(self) -> None:
@@ -420,7 +450,8 @@ class Router:
                              "accepted_per_position": [t["accepted_per_position"][i] for i in range(len(t["accepted_per_position"]))]},
                 "gauges": {**self.last_step, "running": len(self.engine.running) + len(self.engine.prefilling),
                            "waiting": len(self.engine.waiting), "acceptance_estimate": self.acceptance_estimate(),
-                           "kv_usage": self.engine.reserved / self.engine.kv_capacity}}
+                           "kv_usage": self.engine.reserved / self.engine.kv_capacity},
+                "calibration": self.calibration()}
 
     async def max_model_len(self) -> int:
         return self.engine.max_model_len
@@ -439,7 +470,7 @@ class Router:
             "running": len(self.engine.running), "prefilling": len(self.engine.prefilling),
             "waiting": len(self.engine.waiting), "reserved": self.engine.reserved,
             "actors": self.actor_names, "recoveries": self.recoveries, "resumed": self.resumed, "repairing": self.engine.repairing,
-            "speculating": self.engine.speculating,
+            "speculating": self.engine.speculating, "calibration": self.calibration(),
         }
 
     def __del__(self):

@@ -77,6 +77,10 @@ class EngineConfig(BaseModel):
     """Share the KV of identical prompt prefixes (whole blocks) between requests, keeping blocks of
     finished requests until their memory is needed (least recently used first)."""
 
+    calibrate: bool = True
+    """lut and adaptive steer by the profile's latency grid corrected by this replica's own measured
+    steps (`profiling.calibration`): a machine slower or faster than the one that was profiled."""
+
     max_model_len: int | None = Field(None, ge=2)
     """Context limit in tokens (prompt + output). None: the target's max_position_embeddings, capped at 4096."""
 

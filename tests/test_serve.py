@@ -923,6 +923,33 @@ def test_forced_tool_calls_on_the_embedded_model(smol):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_router_calibrates_its_profile_online_exports_it_and_a_push_resets_it(service, tmp_path):
+    """A profile with a latency grid far from this machine's: the Router's lut calibrates from its own
+    steps, reports factors and drift in stats() and /metrics, and starts over when a profile is pushed."""
+    grid = {"batch_sizes": [1, 16], "ks": [0, 1, 2, 3], "draft_ms": [[0, 500, 1000, 1500]] * 2,
+            "verify_ms": [[900, 950, 1000, 1050]] * 2, "other_ms": [[100] * 4] * 2}  # seconds: far too slow
+
+    def drive():
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda p: service["client"].completions.create(model=MODEL, prompt=p, max_tokens=40, temperature=0),
+                          PROMPTS + PROMPTS[:1]))
+
+    assert push(write_profile(tmp_path / "A.json", "A", 1, latency=grid)).returncode == 0
+    time.sleep(1.5)
+    drive()
+    st = stats("A")["calibration"]
+    assert st is not None and st["used"] > 0, st
+    assert st["factors"]["verify"][1] < 0.2 and st["drift"] > 0.5  # the machine is much faster than "profiled"
+    time.sleep(1.5)  # the next report to the store carries it to /metrics
+    text = httpx.get(f"{service['url']}/metrics").text
+    assert 'specserve_calibration_factor{' in text and 'part="verify"' in text and "specserve_calibration_drift{" in text
+    version = stats("A")["profile_version"]
+    assert push(write_profile(tmp_path / "A2.json", "A", 1, latency=grid)).returncode == 0
+    time.sleep(1.5)
+    again = stats("A")["calibration"]
+    assert again["profile_version"] == version + 1 and again["used"] == 0 and again["steps"] < st["steps"]
+
+
 def test_controls_through_ray_give_the_target_alone_text_on_both_groups(service):
     """Penalties, logit_bias, min_tokens and stop ids applied by the worker actors: group A (k = 1) and
     group B (k = 3) both return what a plain decoder over the target applies them to gives."""

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 from serve_app.config import EngineConfig
 from serve_app.engine.policy import BatchState, make_policy
+from serve_app.profiling.calibration import calibrated
 from serve_app.profiling.profiles import Profile
 from serve_app.engine.stats import StepStats
 from serve_app.sim.summary import marginal_acceptance, summarize
@@ -88,6 +89,9 @@ class Replica:
     busy: bool = False
     last_k: int | None = None  # k of the last decode step (None: none yet)
     steps: list = field(default_factory=list)  # (time, decoding batch size, k, prefill tokens) of every step
+    true_grid: object = None
+    """The latencies this replica really has (a LatencyGrid), when they are not its profile's: the
+    policy still reads the profile (and calibrates from the steps, if it does)."""
 
     def __post_init__(self) -> None:
         self.marginal = marginal_acceptance(self.profile, self.max_k)
@@ -110,7 +114,7 @@ class Replica:
         """Run one engine step starting at `now`: returns its duration and the jobs it finished."""
         self._admit()
         self._fit_kv()
-        grid = self.profile.latency
+        grid = self.profile.latency if self.true_grid is None else self.true_grid
         decoding, k = list(self.running), 0
         if decoding:
             k = self.policy.choose(BatchState(len(decoding), self.max_k, self.draft))
@@ -128,7 +132,7 @@ class Replica:
             ms += grid.chunk_ms(max(len(decoding), 1), prefill_tokens, self.draft) or 0.0
         duration = max(ms / 1000, 1e-6)
         if decoding:
-            self._decode(decoding, k)
+            self._decode(decoding, k, step_parts(grid, len(decoding), k), prefill_tokens)
         for job, n in chunks:  # a prompt whose prefill completes: its first token, decoding from the next step
             job.prefilled += n
             if job.prefilled == job.context:
@@ -172,9 +176,12 @@ class Replica:
             budget -= chunks[-1][1]
         return chunks
 
-    def _decode(self, decoding: list[Job], k: int) -> None:
-        """Every decoding job gains 1 + accepted tokens; the policy observes the step."""
-        st = StepStats(batch_size=len(decoding), k=k, proposed=k * len(decoding), accepted_per_position=[0] * k)
+    def _decode(self, decoding: list[Job], k: int, parts: tuple[float, float, float], prefill_tokens: int) -> None:
+        """Every decoding job gains 1 + accepted tokens; the policy observes the step (with its parts'
+        times, as the engine measures them: what a calibrating policy learns from)."""
+        st = StepStats(batch_size=len(decoding), k=k, proposed=k * len(decoding), accepted_per_position=[0] * k,
+                       prefill_tokens=prefill_tokens, draft_s=parts[0] / 1000, verify_s=parts[1] / 1000,
+                       other_s=parts[2] / 1000)
         for j in decoding:
             n = self._accepted(k)
             st.accepted += n
@@ -194,6 +201,16 @@ class Replica:
                 break
             n, previous = n + 1, p
         return n
+
+
+def step_parts(grid, batch_size: int, k: int) -> tuple[float, float, float]:
+    """(draft, verification, rest) milliseconds of a decode step at (batch size, k), linear between the
+    grid's batch sizes like `LatencyGrid.step_ms`."""
+    from serve_app.profiling.profiles import _between
+
+    i0, i1, w = _between(grid.batch_sizes, batch_size)
+    j = grid.ks.index(k)
+    return tuple(rows[i0][j] + w * (rows[i1][j] - rows[i0][j]) for rows in (grid.draft_ms, grid.verify_ms, grid.other_ms))
 
 
 @dataclass
@@ -237,12 +254,15 @@ def simulate(fleet: dict[str, int], profiles: dict[str, Profile], policy: str, *
              output_tokens: "int | tuple[int, int]" = 64,
              max_batch: int = ENGINE.max_batch_size, kv_budget: int = ENGINE.max_num_tokens, max_k: int = ENGINE.max_k,
              block_size: int = ENGINE.block_size, max_num_batched_tokens: int = ENGINE.max_num_batched_tokens,
-             seed: int = 0, route: str = "least-loaded") -> SimResult:
+             seed: int = 0, route: str = "least-loaded", true_grids: dict | None = None,
+             calibrate: bool = False) -> SimResult:
     """Simulate `fleet` ({hardware type: replicas}) under closed-loop users (`users_at(t)`, re-read
     every second of simulated time, for `duration_s`) or an open-loop `trace`. Closed-loop requests
     have `prompt_tokens` / `output_tokens` tokens: a count, or (low, high) drawn uniformly per request.
     Every replica runs the engine with these settings (`EngineConfig`: max_batch_size, max_num_tokens,
-    max_k, block_size, max_num_batched_tokens; its defaults unless given)."""
+    max_k, block_size, max_num_batched_tokens; its defaults unless given). true_grids {hardware type:
+    LatencyGrid}: that type's replicas really run at these latencies, not their profile's; calibrate:
+    lut / adaptive steer by a grid calibrated from their replica's steps (`profiling.calibration`)."""
     if (users_at is None) == (trace is None):
         raise ValueError("give exactly one of users_at (closed loop) or trace (open loop)")
     if route not in ("least-loaded", "group-total"):
@@ -263,12 +283,17 @@ def simulate(fleet: dict[str, int], profiles: dict[str, Profile], policy: str, *
     def draw(tokens) -> int:  # a fixed count, or (low, high): uniform, inclusive
         return tokens if isinstance(tokens, int) else lengths.randint(*tokens)
 
-    replicas = [Replica(i, gpu, profiles[gpu], make_policy(policy, profiles[gpu]), engine.max_batch_size,
+    def policy_for(gpu: str):
+        made = make_policy(policy, profiles[gpu])
+        return calibrated(made, profiles[gpu]) if calibrate else made
+
+    replicas = [Replica(i, gpu, profiles[gpu], policy_for(gpu), engine.max_batch_size,
                         engine.max_num_tokens, engine.max_k, random.Random(rng.random()), engine.block_size,
                         engine.max_num_batched_tokens)
                 for i, (gpu, n) in enumerate((g, n) for g, count in fleet.items() for n in range(count))]
     for i, r in enumerate(replicas):
         r.index = i
+        r.true_grid = (true_grids or {}).get(r.group)
     jobs: list[Job] = []
     events: list = []  # (time, order, kind, payload)
     order = itertools.count()

@@ -1,0 +1,128 @@
+"""Online calibration: a profile's latency grid corrected by the steps this replica really takes.
+
+A profile is measured on one machine of a hardware type; another machine of the type can be faster or
+slower (clocks, power caps, neighbours, interconnect), and not by one factor: its draft may lose more
+than its target. `Calibration` compares each decoding step's measured parts (draft, verification, the
+rest: `StepStats`) with what the grid predicts for that batch size and k, and keeps per batch-size
+group and part a robust factor: the median of the last `window` log-ratios, after the first `warmup`
+steps (a new process runs its first steps slowly). A part's factor scales its whole grid row, every k,
+so the k a policy never chooses is priced too. Steps that prefill prompt chunks are left out (their time
+holds the chunk's cost, which the decode grid does not).
+
+`Calibrated` wraps a profile-driven policy (lut, adaptive) and steers it by the calibrated grid: lut's
+table is recomputed from it with the profile's acceptance, adaptive prices goodput with it. Pure
+Python; the Router exports the factors and logs drift.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from statistics import median
+
+from serve_app.engine.stats import StepStats
+from serve_app.profiling.profiles import LatencyGrid, _between, best_k_table
+
+PARTS = ("draft", "verify", "other")
+
+
+class Calibration:
+    """Measured / predicted step time per (part, profiled batch size), robust to outliers and warm-up."""
+
+    def __init__(self, grid: LatencyGrid, warmup: int = 16, window: int = 64, min_samples: int = 8):
+        self.base, self.warmup, self.window, self.min_samples = grid, warmup, window, min_samples
+        self.samples = {(part, i): deque(maxlen=window) for part in PARTS for i in range(len(grid.batch_sizes))}
+        self.steps = 0  # decoding steps seen (warm-up included)
+        self.used = 0  # steps that gave samples
+
+    def observe(self, st: StepStats) -> bool:
+        """Take one step's measured parts; True when it gave samples."""
+        if not st.batch_size or st.prefill_tokens or st.k not in self.base.ks:
+            return False
+        self.steps += 1
+        if self.steps <= self.warmup:
+            return False
+        j = self.base.ks.index(st.k)
+        i0, i1, w = _between(self.base.batch_sizes, st.batch_size)
+        group = i0 if w < 0.5 else i1  # the nearest profiled batch size
+        took = False
+        for part, seconds in zip(PARTS, (st.draft_s, st.verify_s, st.other_s)):
+            rows = getattr(self.base, f"{part}_ms")
+            predicted = rows[i0][j] + w * (rows[i1][j] - rows[i0][j])
+            if predicted > 0.05 and seconds > 0:  # a part the grid prices at ~0 says nothing
+                self.samples[(part, group)].append(math.log(seconds * 1000 / predicted))
+                took = True
+        self.used += took
+        return took
+
+    def factor(self, part: str, i: int) -> float:
+        """The factor of one part at profiled batch size index i: its group's median log-ratio once it has
+        `min_samples`, else the nearest group's that has (the smaller on a tie: how far a machine is off
+        its profile changes with the batch), else 1 (the profile as is)."""
+        known = [g for g in range(len(self.base.batch_sizes)) if len(self.samples[(part, g)]) >= self.min_samples]
+        if not known:
+            return 1.0
+        nearest = min(known, key=lambda g: (abs(g - i), g))
+        return math.exp(median(self.samples[(part, nearest)]))
+
+    def grid(self) -> LatencyGrid:
+        """The profile's grid with every part's row scaled by its factor."""
+        scaled = {f"{part}_ms": [[v * self.factor(part, i) for v in row]
+                                 for i, row in enumerate(getattr(self.base, f"{part}_ms"))] for part in PARTS}
+        return self.base.model_copy(update=scaled)
+
+    def factors(self) -> dict[str, dict[int, float]]:
+        """{part: {profiled batch size: factor}} (what /metrics and stats() show)."""
+        return {part: {b: round(self.factor(part, i), 4) for i, b in enumerate(self.base.batch_sizes)} for part in PARTS}
+
+    def drift(self) -> float:
+        """How far this replica is from its profile: the largest |calibrated / profiled - 1| of a whole
+        step over the profiled cells (0 before any group has enough samples)."""
+        new = self.grid().total_ms()
+        return max((abs(n / o - 1) for nr, orow in zip(new, self.base.total_ms()) for n, o in zip(nr, orow) if o > 0),
+                   default=0.0)
+
+
+class Calibrated:
+    """A profile-driven policy (lut, adaptive) steered by the grid its Calibration keeps: every
+    `refresh_every` useful steps the policy gets the calibrated grid (lut: its best-k table again)."""
+
+    def __init__(self, inner, profile, refresh_every: int = 16, **calibration):
+        if profile.latency is None:
+            raise ValueError("calibration needs a profile with a latency grid")
+        self.inner, self.profile, self.refresh_every = inner, profile, refresh_every
+        self.name = inner.name
+        self.calibration = Calibration(profile.latency, **calibration)
+        self._since = 0
+
+    def choose(self, state):
+        return self.inner.choose(state)
+
+    def observe(self, stats: StepStats) -> None:
+        self.inner.observe(stats)
+        if self.calibration.observe(stats):
+            self._since += 1
+            if self._since >= self.refresh_every:
+                self._since = 0
+                self.refresh()
+
+    def refresh(self) -> None:
+        grid = self.calibration.grid()
+        if hasattr(self.inner, "grid"):  # adaptive: goodput from the calibrated latencies
+            self.inner.grid = grid
+            self.inner._step_ms.clear()
+        elif self.profile.acceptance:  # lut: the paper's table, from the calibrated grid
+            table = best_k_table(grid, self.profile.acceptance)
+            self.inner.best_k.update(table)
+
+    def __getattr__(self, name):  # acceptance_estimate and the like: the inner policy's
+        if name == "inner":  # not set yet (copying, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def calibrated(policy, profile):
+    """`policy`, calibrating online when it steers by a profile with a latency grid (lut, adaptive)."""
+    if policy.name in ("lut", "adaptive") and profile is not None and profile.latency is not None:
+        return Calibrated(policy, profile)
+    return policy

@@ -1,0 +1,118 @@
+"""Online calibration of a profile's latency grid: converges to a machine's true latencies through
+warm-up and outliers, prices the k it never chose, and steers lut / adaptive to the k the true
+latencies call for (the simulator with replicas deliberately off their profile)."""
+
+import math
+import random
+
+import pytest
+
+from serve_app.engine.policy import BatchState, make_policy
+from serve_app.engine.stats import StepStats
+from serve_app.profiling.calibration import Calibrated, Calibration, calibrated
+from serve_app.profiling.profiles import LatencyGrid, Profile, best_k_table
+from serve_app.sim.simulate import simulate, step_parts
+
+SIZES, KS, ACC = [1, 2, 4, 8, 16, 32], [0, 1, 2, 3, 4], 0.75
+GRID = LatencyGrid(batch_sizes=SIZES, ks=KS,
+                   draft_ms=[[k * (3 + 0.4 * b) for k in KS] for b in SIZES],
+                   verify_ms=[[12 + 0.9 * b * (k + 1) for k in KS] for b in SIZES],
+                   other_ms=[[1.0 for _ in KS] for _ in SIZES])
+ACCEPTANCE = [ACC ** (i + 1) for i in range(4)]
+
+
+def profile(grid: LatencyGrid) -> Profile:
+    return Profile(gpu_type="sim", target="t", draft="d", best_k=best_k_table(grid, ACCEPTANCE), latency=grid,
+                   acceptance=ACCEPTANCE, acceptance_rate=ACC)
+
+
+def off(draft, verify) -> LatencyGrid:
+    """GRID with its draft and verification parts scaled per batch size: a machine off its profile."""
+    return GRID.model_copy(update={"draft_ms": [[v * draft(b) for v in row] for b, row in zip(SIZES, GRID.draft_ms)],
+                                   "verify_ms": [[v * verify(b) for v in row] for b, row in zip(SIZES, GRID.verify_ms)]})
+
+
+# 0.7x and 1.4x off, the other way round at large batches: the best k moves both ways
+TRUE = off(lambda b: 1.4 if b <= 4 else 0.7, lambda b: 0.7 if b <= 4 else 1.4)
+
+
+def step(grid: LatencyGrid, b: int, k: int, slow: float = 1.0) -> StepStats:
+    d, v, o = step_parts(grid, b, k)
+    return StepStats(batch_size=b, k=k, draft_s=slow * d / 1000, verify_s=slow * v / 1000, other_s=slow * o / 1000)
+
+
+def test_calibration_converges_through_warm_up_and_outliers_and_prices_every_k():
+    rng = random.Random(0)
+    cal = Calibration(GRID)
+    for _ in range(cal.warmup):  # a new process's first steps are slow; they are not evidence
+        cal.observe(step(TRUE, 1, 1, slow=5.0))
+    for n in range(400):
+        b = rng.choice([1, 2, 4, 8, 16, 32])
+        k = 1  # one k only, as a policy that has settled would choose
+        cal.observe(step(TRUE, b, k, slow=8.0 if n % 10 == 0 else rng.uniform(0.97, 1.03)))  # 10% outliers
+    f = cal.factors()
+    for b in SIZES:
+        assert f["draft"][b] == pytest.approx(1.4 if b <= 4 else 0.7, rel=0.03), (b, f)
+        assert f["verify"][b] == pytest.approx(0.7 if b <= 4 else 1.4, rel=0.03), (b, f)
+        assert f["other"][b] == pytest.approx(1.0, rel=0.03)
+    grid = cal.grid()
+    for got, want in zip(grid.total_ms(), TRUE.total_ms()):  # every k, though only k = 1 ran
+        assert got == pytest.approx(want, rel=0.03)
+    assert best_k_table(grid, ACCEPTANCE) == best_k_table(TRUE, ACCEPTANCE) != best_k_table(GRID, ACCEPTANCE)
+    assert 0.3 < cal.drift() < 0.5
+
+
+def test_a_group_without_evidence_takes_its_nearest_neighbours_factor():
+    cal = Calibration(GRID, warmup=0)
+    for _ in range(20):
+        cal.observe(step(TRUE, 2, 2))
+        cal.observe(step(TRUE, 16, 2))
+    f = cal.factors()["draft"]
+    assert f[1] == pytest.approx(1.4) and f[4] == pytest.approx(1.4) and f[32] == pytest.approx(0.7)
+    assert Calibration(GRID).factors()["draft"][8] == 1.0  # nothing seen: the profile as is
+
+
+def test_prefill_steps_and_unprofiled_ks_are_not_evidence():
+    cal = Calibration(GRID, warmup=0)
+    st = step(TRUE, 4, 1)
+    st.prefill_tokens = 100
+    assert not cal.observe(st)  # a step that prefilled holds the chunk's cost
+    assert not cal.observe(StepStats(batch_size=4, k=9, draft_s=1, verify_s=1, other_s=1))  # a k the grid lacks
+    assert cal.used == 0
+
+
+@pytest.mark.parametrize("policy", ["lut", "adaptive"])
+def test_calibrated_policies_choose_what_the_true_latencies_call_for(policy):
+    """The simulator with a replica 0.7x / 1.4x off its profile (differently at small and large batches):
+    after calibration lut and adaptive come within 3% of lut steering by the true latencies."""
+    users = lambda t: [1, 6, 24, 2, 12, 32][int(t // 30) % 6]  # noqa: E731: time-varying load
+    kw = dict(users_at=users, duration_s=360, seed=3, prompt_tokens=32, output_tokens=(32, 96))
+    oracle = simulate({"sim": 1}, {"sim": profile(TRUE)}, "lut", **kw).summary()["mean_latency_s"]
+    before = simulate({"sim": 1}, {"sim": profile(GRID)}, policy, true_grids={"sim": TRUE}, **kw)
+    after = simulate({"sim": 1}, {"sim": profile(GRID)}, policy, true_grids={"sim": TRUE}, calibrate=True, **kw)
+    b, a = before.summary()["mean_latency_s"], after.summary()["mean_latency_s"]
+    print(f"{policy}: mean latency / lut on the true latencies: before calibration {b / oracle:.4f}, after {a / oracle:.4f}")
+    assert abs(a / oracle - 1) < 0.03
+    steered = after.replicas[0].policy
+    assert isinstance(steered, Calibrated) and steered.calibration.used > 100
+    if policy == "lut":  # the table, recomputed: the true one where the grid's batch sizes were measured
+        true_table = best_k_table(TRUE, ACCEPTANCE)
+        assert {b: steered.inner.best_k[b] for b in (1, 2, 32)} == {b: true_table[b] for b in (1, 2, 32)}
+        assert before.replicas[0].policy.best_k != true_table
+    else:  # goodput priced by the calibrated grid: the choices of adaptive steering by the true one
+        truth = make_policy("adaptive", profile(TRUE))
+        for pol in (truth, before.replicas[0].policy):
+            pol.estimate = steered.inner.estimate
+        sizes = (1, 2, 4, 16, 32)
+        want = [truth.choose(BatchState(b, 8)) for b in sizes]
+        assert [steered.choose(BatchState(b, 8)) for b in sizes] == want
+        assert [before.replicas[0].policy.choose(BatchState(b, 8)) for b in sizes] != want
+
+
+def test_calibrated_wraps_only_profile_driven_policies_and_passes_their_state_through():
+    p = profile(GRID)
+    assert calibrated(make_policy("fixed:2"), p).name == "fixed:2" and not isinstance(calibrated(make_policy("none"), p), Calibrated)
+    adaptive = calibrated(make_policy("adaptive", p), p)
+    assert isinstance(adaptive, Calibrated) and adaptive.acceptance_estimate == pytest.approx(ACC)
+    assert adaptive.choose(BatchState(1, 8)) == make_policy("adaptive", p).choose(BatchState(1, 8))
+    assert math.isfinite(adaptive.calibration.drift())
