@@ -302,6 +302,8 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("--scale", type=float, default=0.7, help="--validate: scales the schedule's length (as bench policies)")
     sm.add_argument("--repeat", type=int, default=3, help="--validate: real rounds (policies interleaved); medians")
     sm.add_argument("--profile", default=None, help="--validate: profile (default profiles/<hardware type>.json)")
+    sm.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                    help="--validate: simulate from the profile as it is (default: calibrate it on this machine first)")
     _model_args(sm)
     sm.set_defaults(func=_cmd_simulate)
 
@@ -847,7 +849,7 @@ def _cmd_simulate_validate(args) -> int:
     profile = find_profile(args.profile, mc)
     out = args.out or str(default_stem("simulate-validate"))
     _, markdown, passed = validate(load_models(mc), profile, policies, out, args.scale, args.seed, args.repeat,
-                                   args.tolerance, args.tie)
+                                   args.tolerance, args.tie, calibrate=args.calibrate)
     print("\n" + markdown + f"\nwritten to {out}/")
     return 0 if passed else 1
 

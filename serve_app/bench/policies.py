@@ -29,6 +29,7 @@ from tqdm import tqdm
 from serve_app.config import EngineConfig, SamplingParams
 from serve_app.models import LoadedModels
 from serve_app.engine.policy import BatchState, make_policy
+from serve_app.profiling.calibration import calibrated
 from serve_app.profiling.profiles import Profile
 from serve_app.bench.prompt_sets import BENCH_PROMPTS, CREATIVE_PROMPTS, STRUCTURED_PROMPTS, chat_prompts
 from serve_app.engine.scheduler import Engine
@@ -95,8 +96,10 @@ class TimedPolicy:
 
 
 def _run(models: LoadedModels, profile: Profile | None, policy: str, jobs: list[Job], max_batch: int,
-         open_loop: bool, bar: tqdm) -> Result:
-    timed = TimedPolicy(make_policy(policy, profile))
+         open_loop: bool, bar: tqdm, steps: list | None = None) -> Result:
+    """One policy over the jobs. lut and adaptive calibrate online, as the service's Routers do
+    (`profiling.calibration`); `steps` collects every StepStats when given."""
+    timed = TimedPolicy(calibrated(make_policy(policy, profile), profile))
     if policy == "none":
         models = dataclasses.replace(models, draft=None)
     engine = Engine.from_models(models, EngineConfig(max_batch_size=max_batch, max_k=8), timed)
@@ -104,6 +107,8 @@ def _run(models: LoadedModels, profile: Profile | None, policy: str, jobs: list[
     t0 = time.perf_counter()
 
     def on_step(st: StepStats) -> None:
+        if steps is not None:
+            steps.append(st)
         res.step_s += st.draft_s + st.verify_s + st.other_s
         if st.batch_size:
             res.steps.append((time.perf_counter() - t0, st.batch_size, st.k))
