@@ -18,6 +18,7 @@ import contextvars
 import itertools
 import logging
 import os
+import socket
 import threading
 import time
 from collections import Counter as Tally
@@ -32,7 +33,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from serve_app.config import EngineConfig, ModelConfig, SamplingParams
 from serve_app.models import draft_spec, load_tokenizer, model_names
 from serve_app.engine.policy import AcceptanceEstimate, make_policy, needs_profile
-from serve_app.profiling.calibration import Calibrated, calibrated
+from serve_app.profiling.calibration import Calibrated, calibrated, calibrated_profile, steering_profile
 from serve_app.profiling.profiles import Profile
 from serve_app.engine.scheduler import Engine, RequestOutput
 from serve_app.engine.stats import StepStats
@@ -68,6 +69,9 @@ class Router:
         self.dtype = info["dtype"]  # what `auto` resolved to on the target's node
         self.profile_problem: str | None = None
         self.profile_version, self.profile = await self._fetch_profile()
+        self.machine = socket.gethostname()
+        self.shared = await self._fetch_shared()  # a calibrated profile another replica of this type shared
+        self._polls = 0
         self.engine = Engine(target, draft, load_tokenizer(mc.target), self.engine_config, self._policy())
         self.engine.on_step.append(self._on_step)
         self.engine.repair = self._repair
@@ -178,6 +182,25 @@ class Router:
         version, data = await self.store.get.remote(self.gpu_type)
         return version, Profile.model_validate(data) if data else None
 
+    async def _fetch_shared(self) -> Profile | None:
+        if self.store is None or not self.engine_config.calibrate:
+            return None
+        _, data = await self.store.get_calibrated.remote(self.gpu_type)
+        return Profile.model_validate(data) if data else None
+
+    SHARE_EVERY = 15
+    """Polls between two shares of this replica's calibrated profile (30 s at the default 2 s poll)."""
+
+    async def _share(self) -> None:
+        """Leave this replica's calibrated profile in the store for the others of its type (new replicas
+        start from it while no measured profile of their own machine exists), once it has learned enough
+        and differs from what it steers by."""
+        policy = self.engine.policy
+        if not isinstance(policy, Calibrated) or policy.calibration.used < 64 or policy.calibration.drift() < 0.05:
+            return
+        shared = calibrated_profile(policy.profile, policy.calibration, self.machine)
+        await self.store.share.remote(shared.model_dump())
+
     def _policy(self):
         """The configured policy; a profile-driven one without a usable profile decodes plainly meanwhile."""
         spec, self.profile_problem = self.engine_config.policy, None
@@ -185,10 +208,13 @@ class Router:
             try:
                 if self.profile is None:
                     raise ValueError(f"no profile for hardware type {self.gpu_type} yet")
-                self.profile.check_pair(*self.model_pair, self.dtype)
-                policy = make_policy(spec, self.profile)
+                # a measured profile of this machine; else one another replica calibrated and shared
+                base = steering_profile(self.profile, self.shared, self.machine) if self.engine_config.calibrate \
+                    else self.profile
+                base.check_pair(*self.model_pair, self.dtype)
+                policy = make_policy(spec, base)
                 # a new profile means a new calibration: what was learned was relative to the old one
-                return calibrated(policy, self.profile) if self.engine_config.calibrate else policy
+                return calibrated(policy, base) if self.engine_config.calibrate else policy
             except ValueError as e:
                 self.profile_problem = str(e)
                 log.warning("policy %s: %s; decoding without speculation until a usable profile is pushed", spec, e)
@@ -371,7 +397,7 @@ class Router:
             return None
         c = policy.calibration
         return {"steps": c.steps, "used": c.used, "factors": c.factors(), "drift": round(c.drift(), 4),
-                "profile_version": self.profile_version}
+                "profile_version": self.profile_version, "from": policy.profile.source}
 
     # ---- profiles, health, introspection ----------------------------------------------------
     def _ensure_poll(self) -> None:
@@ -391,8 +417,15 @@ class Router:
                 await self.store.report.remote(serve.get_replica_context().replica_id.unique_id, self.snapshot())
             except Exception:
                 log.warning("could not report metrics to the store", exc_info=True)
+            self._polls += 1
+            if self._polls % self.SHARE_EVERY == 0:
+                try:
+                    await self._share()
+                except Exception:
+                    log.warning("could not share the calibrated profile", exc_info=True)
             if version != self.profile_version:
                 self.profile_version, self.profile = version, profile
+                self.shared = await self._fetch_shared()  # a measured or predicted push dropped the old one
                 self.engine.policy = self._policy()  # the next step uses it
                 self._profile_gauge()
                 log.info("profile for %s now version %d (%s)", self.gpu_type, version, self.profile_source())

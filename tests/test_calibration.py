@@ -116,3 +116,40 @@ def test_calibrated_wraps_only_profile_driven_policies_and_passes_their_state_th
     assert isinstance(adaptive, Calibrated) and adaptive.acceptance_estimate == pytest.approx(ACC)
     assert adaptive.choose(BatchState(1, 8)) == make_policy("adaptive", p).choose(BatchState(1, 8))
     assert math.isfinite(adaptive.calibration.drift())
+
+
+def test_steering_profile_prefers_this_machines_measurement_then_a_shared_calibration():
+    from serve_app.profiling.calibration import calibrated_profile, steering_profile
+
+    here = profile(GRID).model_copy(update={"machine": "node-1"})
+    elsewhere = here.model_copy(update={"machine": "node-2"})
+    cal = Calibration(GRID, warmup=0)
+    for _ in range(10):
+        cal.observe(step(TRUE, 1, 1))
+    shared = calibrated_profile(elsewhere, cal, "node-3")
+    assert shared.source == "calibrated" and shared.machine == "node-3" and shared.best_k[1] == best_k_table(TRUE, ACCEPTANCE)[1]
+    assert shared.latency.total_ms()[0] == pytest.approx(TRUE.total_ms()[0])
+    assert steering_profile(here, shared, "node-1") is here  # measured on this machine: it wins
+    assert steering_profile(elsewhere, shared, "node-1") is shared  # measured elsewhere: the shared calibration
+    assert steering_profile(elsewhere, None, "node-1") is elsewhere
+    with pytest.raises(ValueError, match="latency grid"):
+        Profile(gpu_type="sim", target="t", draft="d", best_k={1: 1}, source="calibrated")
+
+
+def test_profile_store_keeps_a_shared_calibration_beside_the_measured_profile_until_a_push():
+    from deployments.profile_store import ProfileStore
+
+    store = ProfileStore.func_or_class(None)
+    measured = profile(GRID).model_dump()
+    assert store.push(measured) == 1
+    cal = Calibration(GRID, warmup=0)
+    for _ in range(10):
+        cal.observe(step(TRUE, 2, 1))
+    from serve_app.profiling.calibration import calibrated_profile
+    shared = calibrated_profile(profile(GRID), cal, "node-9").model_dump()
+    assert store.share(shared) == 1 and store.push(shared) == 2  # a calibrated push is a share, not a replacement
+    assert store.get("sim")[0] == 1 and store.get("sim")[1]["source"] == "measured"
+    assert store.get_calibrated("sim")[0] == 2 and store.get_calibrated("sim")[1]["machine"] == "node-9"
+    with pytest.raises(ValueError):
+        store.share(measured)
+    assert store.push(measured) == 2 and store.get_calibrated("sim") == (0, None)  # what it corrected is gone

@@ -943,11 +943,20 @@ def test_router_calibrates_its_profile_online_exports_it_and_a_push_resets_it(se
     time.sleep(1.5)  # the next report to the store carries it to /metrics
     text = httpx.get(f"{service['url']}/metrics").text
     assert 'specserve_calibration_factor{' in text and 'part="verify"' in text and "specserve_calibration_drift{" in text
+    # shared with the other replicas of the type: a calibrated profile beside the measured one in the store
+    store = serve.get_deployment_handle("ProfileStore", "specserve")
+    for _ in range(40):
+        _, shared = store.get_calibrated.remote("A").result()
+        if shared:
+            break
+        time.sleep(0.5)
+    assert shared and shared["source"] == "calibrated" and shared["latency"]["verify_ms"][0][0] < 900 * 0.2
     version = stats("A")["profile_version"]
     assert push(write_profile(tmp_path / "A2.json", "A", 1, latency=grid)).returncode == 0
     time.sleep(1.5)
     again = stats("A")["calibration"]
     assert again["profile_version"] == version + 1 and again["used"] == 0 and again["steps"] < st["steps"]
+    assert again["from"] == "measured"  # the measured push dropped the shared calibration
 
 
 def test_controls_through_ray_give_the_target_alone_text_on_both_groups(service):

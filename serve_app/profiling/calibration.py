@@ -6,8 +6,10 @@ than its target. `Calibration` compares each decoding step's measured parts (dra
 rest: `StepStats`) with what the grid predicts for that batch size and k, and keeps per batch-size
 group and part a robust factor: the median of the last `window` log-ratios, after the first `warmup`
 steps (a new process runs its first steps slowly). A part's factor scales its whole grid row, every k,
-so the k a policy never chooses is priced too. Steps that prefill prompt chunks are left out (their time
-holds the chunk's cost, which the decode grid does not).
+so the k a policy never chooses is priced too. A step that also prefills prompt chunks prices the chunk
+instead: its measured time less the (calibrated) decode part, against the grid's chunk price for that
+many prompt tokens (`LatencyGrid.chunk_ms`), gives the `chunk` part's factor, which scales every prefill
+price of the grid (a profile measured before chunked prefill priced it another way).
 
 `Calibrated` wraps a profile-driven policy (lut, adaptive) and steers it by the calibrated grid: lut's
 table is recomputed from it with the profile's acceptance, adaptive prices goodput with it. Pure
@@ -24,6 +26,10 @@ from serve_app.engine.stats import StepStats
 from serve_app.profiling.profiles import LatencyGrid, _between, best_k_table
 
 PARTS = ("draft", "verify", "other")
+CHUNK = "chunk"
+CHUNK_FIELDS = ("chunk_step_ms", "chunk_ms_per_token", "chunk_draft_step_ms", "chunk_draft_ms_per_token",
+                "prefill_ms", "prefill_draft_ms")
+"""The grid's prefill prices: per batch size, all scaled by the `chunk` factor."""
 
 
 class Calibration:
@@ -31,20 +37,22 @@ class Calibration:
 
     def __init__(self, grid: LatencyGrid, warmup: int = 16, window: int = 64, min_samples: int = 8):
         self.base, self.warmup, self.window, self.min_samples = grid, warmup, window, min_samples
-        self.samples = {(part, i): deque(maxlen=window) for part in PARTS for i in range(len(grid.batch_sizes))}
+        self.samples = {(part, i): deque(maxlen=window) for part in PARTS + (CHUNK,) for i in range(len(grid.batch_sizes))}
         self.steps = 0  # decoding steps seen (warm-up included)
         self.used = 0  # steps that gave samples
 
     def observe(self, st: StepStats) -> bool:
         """Take one step's measured parts; True when it gave samples."""
-        if not st.batch_size or st.prefill_tokens or st.k not in self.base.ks:
+        if st.k not in self.base.ks or not (st.batch_size or st.prefill_tokens):
             return False
         self.steps += 1
         if self.steps <= self.warmup:
             return False
         j = self.base.ks.index(st.k)
-        i0, i1, w = _between(self.base.batch_sizes, st.batch_size)
+        i0, i1, w = _between(self.base.batch_sizes, max(st.batch_size, 1))
         group = i0 if w < 0.5 else i1  # the nearest profiled batch size
+        if st.prefill_tokens:
+            return self._chunk(st, j, (i0, i1, w), group)
         took = False
         for part, seconds in zip(PARTS, (st.draft_s, st.verify_s, st.other_s)):
             rows = getattr(self.base, f"{part}_ms")
@@ -54,6 +62,26 @@ class Calibration:
                 took = True
         self.used += took
         return took
+
+    def _chunk(self, st: StepStats, j: int, between, group: int) -> bool:
+        """A step that prefilled: what it took beyond its decode part (priced by the calibrated grid, as a
+        simulator prices it) against the grid's chunk price."""
+        predicted = self.base.chunk_ms(max(st.batch_size, 1), st.prefill_tokens, st.draft_s > 0)
+        if not predicted or predicted < 0.5:
+            return False
+        i0, i1, w = between
+        decode = 0.0
+        for part in PARTS:
+            rows = getattr(self.base, f"{part}_ms")
+            jj = j if st.batch_size else 0  # prefill alone: a k = 0 step at batch 1 (`simulate.Replica.step`)
+            ii0, ii1, ww = (i0, i1, w) if st.batch_size else (0, 0, 0.0)
+            decode += (rows[ii0][jj] + ww * (rows[ii1][jj] - rows[ii0][jj])) * self.factor(part, group)
+        chunk = 1000 * (st.draft_s + st.verify_s + st.other_s) - decode
+        if chunk <= 0:
+            return False
+        self.samples[(CHUNK, group)].append(math.log(chunk / predicted))
+        self.used += 1
+        return True
 
     def factor(self, part: str, i: int) -> float:
         """The factor of one part at profiled batch size index i: its group's median log-ratio once it has
@@ -69,11 +97,16 @@ class Calibration:
         """The profile's grid with every part's row scaled by its factor."""
         scaled = {f"{part}_ms": [[v * self.factor(part, i) for v in row]
                                  for i, row in enumerate(getattr(self.base, f"{part}_ms"))] for part in PARTS}
+        for name in CHUNK_FIELDS:
+            values = getattr(self.base, name)
+            if values is not None:
+                scaled[name] = [v * self.factor(CHUNK, i) for i, v in enumerate(values)]
         return self.base.model_copy(update=scaled)
 
     def factors(self) -> dict[str, dict[int, float]]:
-        """{part: {profiled batch size: factor}} (what /metrics and stats() show)."""
-        return {part: {b: round(self.factor(part, i), 4) for i, b in enumerate(self.base.batch_sizes)} for part in PARTS}
+        """{part: {profiled batch size: factor}} (what /metrics and stats() show; `chunk`: prefill prices)."""
+        return {part: {b: round(self.factor(part, i), 4) for i, b in enumerate(self.base.batch_sizes)}
+                for part in PARTS + (CHUNK,)}
 
     def drift(self) -> float:
         """How far this replica is from its profile: the largest |calibrated / profiled - 1| of a whole
@@ -126,3 +159,26 @@ def calibrated(policy, profile):
     if policy.name in ("lut", "adaptive") and profile is not None and profile.latency is not None:
         return Calibrated(policy, profile)
     return policy
+
+
+def calibrated_profile(profile, calibration: Calibration, machine: str):
+    """What a replica shares with the others of its type: its profile with the calibrated grid (and the
+    lut table recomputed from it), marked `calibrated` on `machine`."""
+    from serve_app.profiling.profiles import Profile
+
+    grid = calibration.grid()
+    return Profile.model_validate({
+        **profile.model_dump(), "latency": grid.model_dump(), "source": "calibrated", "prediction": None,
+        "best_k": best_k_table(grid, profile.acceptance) if profile.acceptance else profile.best_k,
+        "machine": machine,
+        "notes": f"calibrated online on {machine} ({calibration.used} steps) from the {profile.source} profile "
+                 f"created {profile.created}; {profile.notes}"})
+
+
+def steering_profile(held, shared, machine: str):
+    """The profile a replica on `machine` steers by: a measured profile of this very machine; else a
+    calibrated one another replica of the type shared (it ran here, or on a machine like this one);
+    else the held one (measured elsewhere, or predicted)."""
+    if held is not None and held.source == "measured" and held.machine == machine:
+        return held
+    return shared if shared is not None else held

@@ -20,6 +20,7 @@ The profiler's engines keep no prefix cache: a prompt seen before would skip its
 from __future__ import annotations
 
 import random
+import socket
 import statistics
 from pathlib import Path
 
@@ -224,6 +225,7 @@ def run_profile(mc: ModelConfig, out: str | None, batch_sizes: list[int], max_k:
     profile = Profile(
         gpu_type=gpu_type, target=target, draft=draft, dtype=resolve_dtype(mc.dtype, mc.device), latency=grid, acceptance=acceptance,
         acceptance_rate=round(fit_acceptance_rate(acceptance), 4), best_k=best_k_table(grid, acceptance),
+        machine=socket.gethostname(),
         notes=(f"specserve profile: greedy; latency: {reps} rounds after a warm-up round, fresh requests each round "
                f"(mean context {grid.context_tokens} tokens), k visited in a shuffled order, two steps per visit, "
                "the second recorded (median over rounds); chunked prefill: "

@@ -223,9 +223,15 @@ class Profile(BaseModel):
     """Per-token acceptance a of the goodput model fitted to `acceptance` (adaptive's starting estimate)."""
     notes: str = ""
     """How it was measured (prompt set, repetitions, machine), free text."""
-    source: Literal["measured", "predicted"] = "measured"
-    """`measured` by `specserve profile` on the hardware itself, or `predicted` by the roofline model
-    (`specserve profile --predict`) for hardware we cannot reach; a measured one always wins."""
+    source: Literal["measured", "predicted", "calibrated"] = "measured"
+    """`measured` by `specserve profile` on the hardware itself, `predicted` by the roofline model
+    (`specserve profile --predict`) for hardware we cannot reach, or `calibrated`: a serving replica's
+    grid corrected by its own steps (`profiling.calibration`), shared with the others of its type
+    while no measured profile of their own machine exists; a measured one always wins."""
+
+    machine: str | None = None
+    """The host a measured profile was measured on, or a calibrated one calibrated on (None: unknown,
+    as in profiles from before this field)."""
     prediction: Prediction | None = None
     """For a predicted profile: the model's inputs (hardware figures, overheads, context, acceptance)."""
 
@@ -246,6 +252,8 @@ class Profile(BaseModel):
             raise ValueError("acceptance values must lie in [0, 1]")
         if (self.source == "predicted") != (self.prediction is not None):
             raise ValueError("a predicted profile needs `prediction` (how it was made); a measured one has none")
+        if self.source == "calibrated" and self.latency is None:
+            raise ValueError("a calibrated profile needs the latency grid it calibrated")
         return self
 
     def check_pair(self, target: str, draft: str, dtype: str) -> None:
