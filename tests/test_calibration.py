@@ -72,13 +72,30 @@ def test_a_group_without_evidence_takes_its_nearest_neighbours_factor():
     assert Calibration(GRID).factors()["draft"][8] == 1.0  # nothing seen: the profile as is
 
 
-def test_prefill_steps_and_unprofiled_ks_are_not_evidence():
+def test_unpriced_prefill_steps_and_unprofiled_ks_are_not_evidence():
     cal = Calibration(GRID, warmup=0)
     st = step(TRUE, 4, 1)
     st.prefill_tokens = 100
-    assert not cal.observe(st)  # a step that prefilled holds the chunk's cost
+    assert not cal.observe(st)  # a step that prefilled, where the grid has no chunk price to compare with
     assert not cal.observe(StepStats(batch_size=4, k=9, draft_s=1, verify_s=1, other_s=1))  # a k the grid lacks
     assert cal.used == 0
+
+
+def test_steps_that_prefill_calibrate_the_chunk_price():
+    n = len(SIZES)
+    priced = GRID.model_copy(update={"chunk_step_ms": [5.0] * n, "chunk_ms_per_token": [0.5] * n})
+    cal = Calibration(priced, warmup=0)
+    for b in (0, 2, 8):  # with and without decoding rows beside the chunk
+        for _ in range(10):
+            d, v, o = step_parts(TRUE, max(b, 1), 1 if b else 0)
+            chunk = 2.0 * priced.chunk_ms(max(b, 1), 64)  # this machine prefills at half the profiled speed
+            cal.observe(StepStats(batch_size=b, k=1 if b else 0, prefill_tokens=64, draft_s=d / 1000,
+                                  verify_s=(v + chunk) / 1000, other_s=o / 1000))
+        for _ in range(10):
+            if b:
+                cal.observe(step(TRUE, b, 1))
+    assert cal.factors()["chunk"][8] == pytest.approx(2.0, rel=0.05)
+    assert cal.grid().chunk_ms(8, 64) == pytest.approx(2 * priced.chunk_ms(8, 64), rel=0.05)
 
 
 @pytest.mark.parametrize("policy", ["lut", "adaptive"])

@@ -69,19 +69,22 @@ class Calibration:
         predicted = self.base.chunk_ms(max(st.batch_size, 1), st.prefill_tokens, st.draft_s > 0)
         if not predicted or predicted < 0.5:
             return False
-        i0, i1, w = between
-        decode = 0.0
-        for part in PARTS:
-            rows = getattr(self.base, f"{part}_ms")
-            jj = j if st.batch_size else 0  # prefill alone: a k = 0 step at batch 1 (`simulate.Replica.step`)
-            ii0, ii1, ww = (i0, i1, w) if st.batch_size else (0, 0, 0.0)
-            decode += (rows[ii0][jj] + ww * (rows[ii1][jj] - rows[ii0][jj])) * self.factor(part, group)
-        chunk = 1000 * (st.draft_s + st.verify_s + st.other_s) - decode
-        if chunk <= 0:
-            return False
-        self.samples[(CHUNK, group)].append(math.log(chunk / predicted))
+        i0, i1, w = between if st.batch_size else (0, 0, 0.0)  # prefill alone: a k = 0 step at batch 1
+        jj = j if st.batch_size else 0  # (as `simulate.Replica.step` prices it)
+        decode = tuple(rows[i0][jj] + w * (rows[i1][jj] - rows[i0][jj])
+                       for rows in (self.base.draft_ms, self.base.verify_ms, self.base.other_ms))
+        # kept raw: the decode part is priced with the factors known when the chunk's factor is asked for
+        self.samples[(CHUNK, group)].append((1000 * (st.draft_s + st.verify_s + st.other_s), decode, group, predicted))
         self.used += 1
         return True
+
+    def _chunk_ratios(self, samples) -> list[float]:
+        out = []
+        for total, decode, group, predicted in samples:
+            rest = total - sum(d * self.factor(part, group) for d, part in zip(decode, PARTS))
+            if rest > 0:
+                out.append(math.log(rest / predicted))
+        return out
 
     def factor(self, part: str, i: int) -> float:
         """The factor of one part at profiled batch size index i: its group's median log-ratio once it has
@@ -90,8 +93,9 @@ class Calibration:
         known = [g for g in range(len(self.base.batch_sizes)) if len(self.samples[(part, g)]) >= self.min_samples]
         if not known:
             return 1.0
-        nearest = min(known, key=lambda g: (abs(g - i), g))
-        return math.exp(median(self.samples[(part, nearest)]))
+        nearest = self.samples[(part, min(known, key=lambda g: (abs(g - i), g)))]
+        ratios = self._chunk_ratios(nearest) if part == CHUNK else list(nearest)
+        return math.exp(median(ratios)) if ratios else 1.0
 
     def grid(self) -> LatencyGrid:
         """The profile's grid with every part's row scaled by its factor."""
