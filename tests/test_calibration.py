@@ -170,3 +170,19 @@ def test_profile_store_keeps_a_shared_calibration_beside_the_measured_profile_un
     with pytest.raises(ValueError):
         store.share(measured)
     assert store.push(measured) == 2 and store.get_calibrated("sim") == (0, None)  # what it corrected is gone
+
+
+def test_a_machine_whose_drafted_tokens_cost_differently_is_priced_at_every_k_from_two():
+    """Not one factor: here each drafted token costs half the profile's, the verification's per-token
+    part 0.6x but its fixed part the same. Steps at k = 1 and k = 3 price k = 0, 2 and 4 too."""
+    true = GRID.model_copy(update={"draft_ms": [[0.5 * k * (3 + 0.4 * b) for k in KS] for b in SIZES],
+                                   "verify_ms": [[12 + 0.6 * 0.9 * b * (k + 1) for k in KS] for b in SIZES]})
+    cal = Calibration(GRID, warmup=0)
+    for _ in range(12):
+        for k in (1, 3):
+            cal.observe(step(true, 8, k))
+    got = cal.grid()
+    i = SIZES.index(8)
+    for part in ("draft_ms", "verify_ms"):
+        assert getattr(got, part)[i][1:] == pytest.approx(getattr(true, part)[i][1:], rel=0.02), part
+    assert best_k_table(got, ACCEPTANCE)[8] == best_k_table(true, ACCEPTANCE)[8]

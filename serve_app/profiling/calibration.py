@@ -33,10 +33,14 @@ CHUNK_FIELDS = ("chunk_step_ms", "chunk_ms_per_token", "chunk_draft_step_ms", "c
 
 
 class Calibration:
-    """Measured / predicted step time per (part, profiled batch size), robust to outliers and warm-up."""
+    """This machine's step time per (part, profiled batch size) against the profile's, robust to outliers
+    and warm-up: per k where steps ran at two or more k (a line through their medians: a machine can
+    differ from the profile in what each drafted token costs, not only in a fixed factor), else one
+    factor for the whole row."""
 
     def __init__(self, grid: LatencyGrid, warmup: int = 16, window: int = 64, min_samples: int = 8):
         self.base, self.warmup, self.window, self.min_samples = grid, warmup, window, min_samples
+        # decode parts: (k index, log measured / predicted); chunk: raw steps (see _chunk)
         self.samples = {(part, i): deque(maxlen=window) for part in PARTS + (CHUNK,) for i in range(len(grid.batch_sizes))}
         self.steps = 0  # decoding steps seen (warm-up included)
         self.used = 0  # steps that gave samples
@@ -58,7 +62,7 @@ class Calibration:
             rows = getattr(self.base, f"{part}_ms")
             predicted = rows[i0][j] + w * (rows[i1][j] - rows[i0][j])
             if predicted > 0.05 and seconds > 0:  # a part the grid prices at ~0 says nothing
-                self.samples[(part, group)].append(math.log(seconds * 1000 / predicted))
+                self.samples[(part, group)].append((j, math.log(seconds * 1000 / predicted)))
                 took = True
         self.used += took
         return took
@@ -74,32 +78,60 @@ class Calibration:
         decode = tuple(rows[i0][jj] + w * (rows[i1][jj] - rows[i0][jj])
                        for rows in (self.base.draft_ms, self.base.verify_ms, self.base.other_ms))
         # kept raw: the decode part is priced with the factors known when the chunk's factor is asked for
-        self.samples[(CHUNK, group)].append((1000 * (st.draft_s + st.verify_s + st.other_s), decode, group, predicted))
+        self.samples[(CHUNK, group)].append((1000 * (st.draft_s + st.verify_s + st.other_s), decode, group, jj, predicted))
         self.used += 1
         return True
 
+    def _evidence(self, part: str, i: int):
+        """The samples of the group nearest to i that has `min_samples` (the smaller on a tie: how far a
+        machine is off its profile changes with the batch), and that group; (None, None) without any."""
+        known = [g for g in range(len(self.base.batch_sizes)) if len(self.samples[(part, g)]) >= self.min_samples]
+        if not known:
+            return None, None
+        g = min(known, key=lambda g: (abs(g - i), g))
+        return self.samples[(part, g)], g
+
+    def ratio(self, part: str, i: int, j: int) -> float:
+        """Measured / profiled time of one decode part at profiled batch size index i and k index j."""
+        samples, g = self._evidence(part, i)
+        if samples is None:
+            return 1.0
+        by_k: dict[int, list[float]] = {}
+        for jj, r in samples:
+            by_k.setdefault(jj, []).append(r)
+        points = [(jj, median(v)) for jj, v in by_k.items() if len(v) >= max(2, self.min_samples // 2)]
+        if len(points) < 2:  # one k seen: one factor for the row
+            return math.exp(median(r for _, r in samples))
+        rows = getattr(self.base, f"{part}_ms")[g]
+        ks = self.base.ks
+        # a line through the measured medians, in milliseconds against k, then as a ratio to the profile
+        xs = [ks[jj] for jj, _ in points]
+        ys = [rows[jj] * math.exp(r) for jj, r in points]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        at = my + slope * (ks[j] - mx)
+        return min(max(at / rows[j], 0.2), 5.0) if rows[j] > 0.05 else 1.0
+
+    def factor(self, part: str, i: int) -> float:
+        """One number per part and profiled batch size (what /metrics shows): the median measured /
+        profiled ratio of the group's evidence; for `chunk`, of the prefill price."""
+        samples, _ = self._evidence(part, i)
+        if samples is None:
+            return 1.0
+        ratios = self._chunk_ratios(samples) if part == CHUNK else [r for _, r in samples]
+        return math.exp(median(ratios)) if ratios else 1.0
+
     def _chunk_ratios(self, samples) -> list[float]:
         out = []
-        for total, decode, group, predicted in samples:
-            rest = total - sum(d * self.factor(part, group) for d, part in zip(decode, PARTS))
+        for total, decode, group, j, predicted in samples:
+            rest = total - sum(d * self.ratio(part, group, j) for d, part in zip(decode, PARTS))
             if rest > 0:
                 out.append(math.log(rest / predicted))
         return out
 
-    def factor(self, part: str, i: int) -> float:
-        """The factor of one part at profiled batch size index i: its group's median log-ratio once it has
-        `min_samples`, else the nearest group's that has (the smaller on a tie: how far a machine is off
-        its profile changes with the batch), else 1 (the profile as is)."""
-        known = [g for g in range(len(self.base.batch_sizes)) if len(self.samples[(part, g)]) >= self.min_samples]
-        if not known:
-            return 1.0
-        nearest = self.samples[(part, min(known, key=lambda g: (abs(g - i), g)))]
-        ratios = self._chunk_ratios(nearest) if part == CHUNK else list(nearest)
-        return math.exp(median(ratios)) if ratios else 1.0
-
     def grid(self) -> LatencyGrid:
-        """The profile's grid with every part's row scaled by its factor."""
-        scaled = {f"{part}_ms": [[v * self.factor(part, i) for v in row]
+        """The profile's grid with every decode cell and prefill price calibrated."""
+        scaled = {f"{part}_ms": [[v * self.ratio(part, i, j) for j, v in enumerate(row)]
                                  for i, row in enumerate(getattr(self.base, f"{part}_ms"))] for part in PARTS}
         for name in CHUNK_FIELDS:
             values = getattr(self.base, name)
