@@ -193,7 +193,7 @@ def test_validation_flags_errors_and_orders_and_runs_on_a_tiny_pair(tiny_model_d
     assert r["passed"] == (all(abs(e) <= 0.15 for e in r["error"].values()) and not r["discordant_pairs"])
     assert "PASSED" in (out / "summary.md").read_text() or "FAILED" in (out / "summary.md").read_text()
     # calibrated on this machine first (the default), and the summary says so
-    assert r["calibration"]["used"] > 0 and set(r["calibration"]["factors"]) == {"draft", "verify", "other"}
+    assert r["calibration"]["used"] > 0 and set(r["calibration"]["factors"]) == {"draft", "verify", "other", "chunk"}
     assert "calibrated by the schedule at fixed:1 and fixed:4" in (out / "summary.md").read_text()
 
 

@@ -65,6 +65,7 @@ def validate(models: LoadedModels, profile: Profile, policies: list[str], out_di
                 _run(models, profile, p, jobs, ENGINE.max_batch_size, True, bar, seen)
         for st in seen:
             calibration.observe(st)
+        accepted = measured_acceptance(seen)
     real: dict[str, list[float]] = {p: [] for p in policies}
     outputs: list[int] | None = None
     with tqdm(total=repeat * len(policies) * len(jobs), desc="validate: real runs", unit="req") as bar:
@@ -80,7 +81,8 @@ def validate(models: LoadedModels, profile: Profile, policies: list[str], out_di
                          max_batch=ENGINE.max_batch_size, kv_budget=ENGINE.max_num_tokens, max_k=ENGINE.max_k,
                          block_size=ENGINE.block_size, max_num_batched_tokens=ENGINE.max_num_batched_tokens, seed=s,
                          true_grids={profile.gpu_type: calibration.grid()} if calibration else None,
-                         calibrate=calibration is not None)
+                         calibrate=calibration is not None,
+                         true_acceptance={profile.gpu_type: accepted} if calibration and accepted else None)
                 for s in range(sim_seeds)]
         sim[p] = statistics.fmean(r.summary()["mean_latency_s"] for r in runs)
     real_mean = {p: statistics.median(v) for p, v in real.items()}
@@ -93,7 +95,7 @@ def validate(models: LoadedModels, profile: Profile, policies: list[str], out_di
                "calibration": None if calibration is None else {
                    "how": "the schedule at fixed:1 and fixed:4 on this machine, before the real rounds",
                    "steps": calibration.steps, "used": calibration.used, "factors": calibration.factors(),
-                   "drift": calibration.drift()},
+                   "drift": calibration.drift(), "acceptance": accepted, "profile_acceptance": profile.acceptance},
                "sim_mean_latency_s": sim, "error": errors, "discordant_pairs": bad_pairs, "passed": passed,
                "provenance": provenance()}
     out = Path(out_dir)
@@ -104,6 +106,17 @@ def validate(models: LoadedModels, profile: Profile, policies: list[str], out_di
     return results, markdown, passed
 
 
+def measured_acceptance(steps) -> list[float] | None:
+    """Acceptance per draft position these steps saw (from the steps at their largest k): the workload's
+    own, which the simulated replica then draws from (the profile's came from its profiling prompts)."""
+    k = max((st.k for st in steps if st.batch_size), default=0)
+    rows = [st for st in steps if st.batch_size and st.k == k]
+    total = sum(st.batch_size for st in rows)
+    if not k or not total:
+        return None
+    return [round(sum(st.accepted_per_position[i] for st in rows) / total, 4) for i in range(k)]
+
+
 def _basis(r: dict) -> str:
     cal = r.get("calibration")
     if not cal:
@@ -111,7 +124,9 @@ def _basis(r: dict) -> str:
     f = cal["factors"]
     return (f"on this machine's latencies: the profile's grid calibrated by {cal['how']} ({cal['used']} steps; "
             f"drift {cal['drift']:.0%}; factors draft {_span(f['draft'])}, verify {_span(f['verify'])}, other "
-            f"{_span(f['other'])}); lut and adaptive calibrate online, in the real runs and the simulated ones.")
+            f"{_span(f['other'])}, prefill {_span(f['chunk'])}); drafts accepted per position as those runs saw "
+            f"them ({cal.get('acceptance')}; the profile's: {cal.get('profile_acceptance')}); lut and adaptive "
+            "calibrate online, in the real runs and the simulated ones.")
 
 
 def _span(by_size: dict) -> str:

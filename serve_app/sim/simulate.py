@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from serve_app.config import EngineConfig
 from serve_app.engine.policy import BatchState, make_policy
 from serve_app.profiling.calibration import calibrated
-from serve_app.profiling.profiles import Profile
+from serve_app.profiling.profiles import Profile, fit_acceptance_rate
 from serve_app.engine.stats import StepStats
 from serve_app.sim.summary import marginal_acceptance, summarize
 
@@ -255,14 +255,16 @@ def simulate(fleet: dict[str, int], profiles: dict[str, Profile], policy: str, *
              max_batch: int = ENGINE.max_batch_size, kv_budget: int = ENGINE.max_num_tokens, max_k: int = ENGINE.max_k,
              block_size: int = ENGINE.block_size, max_num_batched_tokens: int = ENGINE.max_num_batched_tokens,
              seed: int = 0, route: str = "least-loaded", true_grids: dict | None = None,
-             calibrate: bool = False) -> SimResult:
+             calibrate: bool = False, true_acceptance: dict | None = None) -> SimResult:
     """Simulate `fleet` ({hardware type: replicas}) under closed-loop users (`users_at(t)`, re-read
     every second of simulated time, for `duration_s`) or an open-loop `trace`. Closed-loop requests
     have `prompt_tokens` / `output_tokens` tokens: a count, or (low, high) drawn uniformly per request.
     Every replica runs the engine with these settings (`EngineConfig`: max_batch_size, max_num_tokens,
     max_k, block_size, max_num_batched_tokens; its defaults unless given). true_grids {hardware type:
     LatencyGrid}: that type's replicas really run at these latencies, not their profile's; calibrate:
-    lut / adaptive steer by a grid calibrated from their replica's steps (`profiling.calibration`)."""
+    lut / adaptive steer by a grid calibrated from their replica's steps (`profiling.calibration`);
+    true_acceptance {hardware type: acceptance per draft position}: what the workload's drafts really
+    get accepted at, when not the profile's (the policies still start from the profile's)."""
     if (users_at is None) == (trace is None):
         raise ValueError("give exactly one of users_at (closed loop) or trace (open loop)")
     if route not in ("least-loaded", "group-total"):
@@ -294,6 +296,10 @@ def simulate(fleet: dict[str, int], profiles: dict[str, Profile], policy: str, *
     for i, r in enumerate(replicas):
         r.index = i
         r.true_grid = (true_grids or {}).get(r.group)
+        if r.group in (true_acceptance or {}):
+            accepted = true_acceptance[r.group]
+            r.marginal = marginal_acceptance(r.profile.model_copy(update={
+                "acceptance": accepted, "acceptance_rate": fit_acceptance_rate(accepted)}), r.max_k)
     jobs: list[Job] = []
     events: list = []  # (time, order, kind, payload)
     order = itertools.count()
