@@ -33,7 +33,6 @@ class Controls:
         self.bias_rows = [b for b in range(n) if params[b].logit_bias]
         self.ban_rows = [b for b in range(n) if params[b].min_tokens or params[b].bad_words_ids]
         self.pen_rows = [b for b in range(n) if _penalized(params[b])]
-        self.any = bool(self.bias_rows or self.ban_rows or self.pen_rows or any(g is not None for g in guides))
         if self.bias_rows:
             self._bias = self._sparse([(b, t, v) for b in self.bias_rows for t, v in params[b].logit_bias.items()])
         if self.pen_rows:
@@ -62,8 +61,7 @@ class Controls:
         """x [A, V]: raw logits of batch rows `rows` [A] at position j (after extra[b][:j], extra a [B, >=j]
         tensor or lists). Returns float32 logits with the controls applied (x itself when none apply)."""
         rows_l = rows.tolist()
-        wanted = [i for i, b in enumerate(rows_l) if self._touches(b)]
-        if not wanted:
+        if not any(self._touches(b) for b in rows_l):
             return x
         x = x.float() if x.dtype != torch.float32 else x.clone()
         if isinstance(extra, torch.Tensor):
@@ -93,7 +91,7 @@ class Controls:
             p = self.params[b]
             bias = closing_bias(p.max_tokens - (len(self.contexts[b]) - self.prompt_lens[b] + j) - 1, p.max_tokens)
             if bias:
-                x[i] += bias * guide.closers.to(x.device)[: x.shape[-1]]
+                x[i] += bias * guide.closers_on(x.device)[: x.shape[-1]]
 
     def apply_mask_rows(self, x: torch.Tensor, bits: torch.Tensor, rows: list[int]) -> None:
         """The draft's masks (one position, computed from its guides as it proposes) for these rows."""
@@ -102,8 +100,7 @@ class Controls:
 
     # ---- internals -------------------------------------------------------------------------
     def _touches(self, b: int) -> bool:
-        p = self.params[b]
-        return bool(p.logit_bias or p.min_tokens or p.bad_words_ids or _penalized(p) or self.guides[b] is not None)
+        return _has_controls(self.params[b]) or self.guides[b] is not None
 
     def _banned(self, b: int, j: int, drafted: list[int]) -> list[int]:
         p = self.params[b]

@@ -25,6 +25,7 @@ lets a small model run on with newlines and indents forever; a fixed style canno
 
 _TOKENIZERS: dict[tuple[int, int], object] = {}
 _CLOSERS: dict[tuple[int, int], torch.Tensor] = {}
+_ON_DEVICE: dict[tuple[int, str], torch.Tensor] = {}
 
 CLOSING_CHARS = {'"': 0.6, "}": 0.5, "]": 0.5, ",": -0.5}
 """What ends a JSON string, object or array, and how much each counts. Near the end of its token budget a
@@ -99,7 +100,7 @@ class Guide:
         from llguidance import LLMatcher
 
         self.vocab = vocab_size
-        self.closers = closers(tokenizer, vocab_size)
+        self.closers = closers(tokenizer, vocab_size)  # [V] on the CPU; `closers_on` for the worker's device
         lltok = lltokenizer(tokenizer, vocab_size)
         self.matcher = LLMatcher(lltok, grammar_text(spec))
         if self.matcher.is_error():
@@ -110,6 +111,15 @@ class Guide:
         self.ahead = 0  # tokens consumed past the committed ones (the draft's own proposals)
         self.ended_ahead = False  # the draft proposed an end-of-sequence: nothing after it matters
         self.advance(list(generated))  # a resumed or preempted request: its output so far
+
+    def closers_on(self, device) -> torch.Tensor:  # [V]
+        """The closing weights on `device`, copied there once per tokenizer (they are read at every
+        position near the end of a structured request's budget: a vocabulary-sized copy each time would
+        be a host-to-device transfer per row and position on a GPU)."""
+        key = (id(self.closers), str(device))
+        if key not in _ON_DEVICE:
+            _ON_DEVICE[key] = self.closers.to(device)
+        return _ON_DEVICE[key]
 
     def words(self) -> int:
         return (self.vocab + 31) // 32
