@@ -231,13 +231,42 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--samples", type=int, default=1, help="sampled continuations per prompt, besides the greedy one")
     d.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled continuations")
     d.add_argument("--max-tokens", type=int, default=128, help="tokens generated per seed prompt")
-    d.add_argument("--epochs", type=int, default=5)
+    d.add_argument("--corpus", default=None,
+                   help="eagle3: train from this corpus (`specserve corpus grow`), the target's features and "
+                        "distributions recomputed by teacher-forced forwards; --prompts / --samples / --self-prompts "
+                        "then do not apply")
+    d.add_argument("--init", default=None, help="--corpus: keep training this EAGLE-3 draft (its token set is kept)")
+    d.add_argument("--batch-tokens", type=int, default=4096, help="--corpus: tokens per training batch (padded)")
+    d.add_argument("--generated-only", action="store_true",
+                   help="--corpus: loss on generated positions only (not on the prompt's)")
+    d.add_argument("--limit-tokens", type=int, default=None,
+                   help="--corpus: train on the first sequences holding about this many generated tokens")
+    d.add_argument("--max-hours", type=float, default=None,
+                   help="--corpus: stop at the first checkpoint after this long (re-run to resume)")
+    d.add_argument("--epochs", type=float, default=5, help="training epochs (--corpus: may be fractional)")
     d.add_argument("--batch-size", type=int, default=16)
     d.add_argument("--lr", type=float, default=1e-3)
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--dtype", default="float32",
-                   help="the target's dtype while it generates the training text (the draft trains in float32)")
+    d.add_argument("--dtype", default=None,
+                   help="the target's dtype while it generates the training text (default float32), or with --corpus "
+                        "in its teacher-forced forwards (default auto: as served); the draft trains in float32")
     d.set_defaults(func=_cmd_distill)
+
+    co = sub.add_parser("corpus", help="the draft's training corpus: the target's own text as token ids, grown in "
+                                        "resumable runs")
+    cos = co.add_subparsers(dest="corpus_command", required=True)
+    cg = cos.add_parser("grow", help="append rounds of prompts continued by the target (greedy and sampled) until "
+                                     "--tokens new tokens are stored; commit the directory after each run")
+    cg.add_argument("--target", default=EMBEDDED)
+    cg.add_argument("--dtype", default="auto", help="the target's dtype while it writes (auto: bfloat16 where native)")
+    cg.add_argument("--out", default=None, help="corpus directory (default corpora/<target>)")
+    cg.add_argument("--tokens", type=int, default=200_000, help="new generated tokens to add in this run")
+    cg.add_argument("--max-rounds", type=int, default=None, help="stop after this many rounds even if short of --tokens")
+    cg.add_argument("--max-batch", type=int, default=160, help="sequences decoded together (continuous batching)")
+    cg.set_defaults(func=_cmd_corpus)
+    cs = cos.add_parser("show", help="a corpus's totals, mix of kinds and sources, and its runs' speed")
+    cs.add_argument("dir", nargs="?", default=None, help="corpus directory (default corpora/<embedded target>)")
+    cs.set_defaults(func=_cmd_corpus)
 
     s = sub.add_parser("serve", help="start a local Ray cluster and serve the OpenAI-compatible HTTP endpoint")
     s.add_argument("--config", default=None, help="Serve config YAML (its first application's args); flags below are ignored")
@@ -684,7 +713,12 @@ def _cmd_distill(args) -> int:
             layers = [int(x) for x in args.feature_layers.split(",")]
         except ValueError:
             raise UsageError(f"--feature-layers: expected comma-separated layer numbers, got {args.feature_layers!r}") from None
-    target, tokenizer, name = load_target(args.target, args.dtype)
+    if args.corpus is not None:
+        return _distill_from_corpus(args, layers)
+    if args.epochs != int(args.epochs):
+        raise UsageError("--epochs: a whole number (fractional epochs only with --corpus)")
+    args.epochs = int(args.epochs)
+    target, tokenizer, name = load_target(args.target, args.dtype or "float32")
     if args.method == "eagle3":
         from serve_app.drafting.eagle3_train import distill_eagle3
 
@@ -703,6 +737,65 @@ def _cmd_distill(args) -> int:
                    args.temperature, args.max_tokens, args.epochs, args.batch_size, args.lr, args.seed,
                    prompts=prompts, self_prompts=args.self_prompts)
     print(f"draft written to {args.out} (epoch losses {meta['losses']})")
+    return 0
+
+
+def _distill_from_corpus(args, layers: list[int] | None) -> int:
+    import time
+
+    from serve_app.drafting.eagle3_corpus import distill_from_corpus
+    from serve_app.models import load_target
+
+    if args.method != "eagle3":
+        raise UsageError("--corpus trains an EAGLE-3 draft: add --method eagle3")
+    if args.epochs <= 0 or args.batch_tokens < 16:
+        raise UsageError("--epochs must be > 0 and --batch-tokens >= 16")
+    target, tokenizer, name = load_target(args.target, args.dtype or "auto")
+    deadline = time.time() + 3600 * args.max_hours if args.max_hours else None
+    try:
+        meta = distill_from_corpus(target, tokenizer, name, args.corpus, args.out, args.init, args.epochs,
+                                   args.batch_tokens, args.lr, args.seed, args.tokens, args.steps, layers,
+                                   generated_only=args.generated_only, limit_tokens=args.limit_tokens, deadline=deadline)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    print(f"EAGLE-3 draft written to {args.out} from {meta['generated_tokens']} corpus tokens "
+          f"(history {meta['history']})")
+    return 0
+
+
+def _default_corpus(target: str) -> str:
+    from serve_app.models import display_name
+
+    return os.path.join("corpora", display_name(target).lower())
+
+
+def _cmd_corpus(args) -> int:
+    from pathlib import Path
+
+    from serve_app.drafting.corpus import grow, read_manifest
+
+    if args.corpus_command == "show":
+        path = Path(args.dir or _default_corpus(EMBEDDED))
+        manifest = read_manifest(path)
+        if manifest is None:
+            raise UsageError(f"{path} holds no corpus (no corpus.json)")
+        print(json.dumps({k: manifest[k] for k in ("target", "settings", "rounds", "totals", "runs")}, indent=1))
+        return 0
+    if args.tokens < 1 or args.max_batch < 1:
+        raise UsageError("--tokens and --max-batch must be >= 1")
+    from serve_app.models import LoadedModels, load_target
+
+    target, tokenizer, name = load_target(args.target, args.dtype)
+    models = LoadedModels(target, None, tokenizer, name, "none")
+    out = args.out or _default_corpus(args.target)
+    try:
+        manifest = grow(models, out, args.tokens, max_batch=args.max_batch, max_rounds=args.max_rounds)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    run, totals = manifest["runs"][-1], manifest["totals"]
+    print(f"{out}: +{run['tokens_added']} generated tokens in {run['seconds']:.0f}s ({run['tokens_per_s']} tokens/s); "
+          f"now {totals['sequences']} sequences, {totals['generated_tokens']} generated tokens, "
+          f"{totals['bytes'] / 1e6:.1f} MB; kinds {totals['kinds']}")
     return 0
 
 

@@ -123,11 +123,11 @@ def continue_prompts(target, prompts: list[list[int]], max_tokens: int, top: int
     With feature_layers, each dict also holds 'feat' [n, F] bfloat16: the residual stream entering those
     layers at every position but the last (what an EAGLE-3 draft reads), from the same forwards.
     """
-    with _capturing(target, feature_layers) as grabbed:
+    with capturing(target, feature_layers) as grabbed:
         return _continue(target, prompts, max_tokens, top, temperature, pad_id, eos_id, seed, grabbed)
 
 
-class _capturing:
+class capturing:  # noqa: N801 (used as a context manager, named as one)
     """Pre-hooks on the target's decoder layers (id == layer count: the final norm's input) that keep
     the latest forward's residual stream per layer id; removed on exit. None when no layers are asked."""
 
@@ -151,7 +151,7 @@ class _capturing:
             h.remove()
 
 
-def _features(grabbed: dict | None) -> torch.Tensor | None:  # [B, T, F] of the latest forward
+def grabbed_features(grabbed: dict | None) -> torch.Tensor | None:  # [B, T, F] of the latest forward
     return None if grabbed is None else torch.cat([grabbed[i] for i in grabbed["layers"]], dim=-1).to(torch.bfloat16)
 
 
@@ -168,7 +168,7 @@ def _continue(target, prompts, max_tokens, top, temperature, pad_id, eos_id, see
     out = target(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
     p_all, idx_all = out.logits[:, :-1].float().softmax(-1).topk(top, dim=-1)  # [B, width - 1, top]
     rows = [[(idx_all[b, width - n:], p_all[b, width - n:])] for b, n in enumerate(lens)]  # n - 1 prompt rows
-    feats = _features(grabbed)
+    feats = grabbed_features(grabbed)
     feat_rows = [[feats[b, width - n:]] for b, n in enumerate(lens)] if feats is not None else None  # n prompt rows
     outputs: list[list[int]] = [[] for _ in prompts]
     live = list(range(len(prompts)))  # the prompt each batch row belongs to
@@ -198,7 +198,7 @@ def _continue(target, prompts, max_tokens, top, temperature, pad_id, eos_id, see
                      past_key_values=out.past_key_values, use_cache=True)
         logits = out.logits[:, -1].float()
         if feat_rows is not None:  # the feature of the token just fed, for the rows still generating
-            feats = _features(grabbed)
+            feats = grabbed_features(grabbed)
             for j, b in enumerate(live):
                 if not done[j]:
                     feat_rows[b].append(feats[j, -1:])
