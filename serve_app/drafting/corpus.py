@@ -260,44 +260,49 @@ def grow(models, out_dir: str | Path, tokens: int, settings: CorpusSettings | No
                                 EngineConfig(max_batch_size=max_batch, max_num_batched_tokens=max(512, max_batch),
                                              max_num_tokens=max_batch * 640, max_k=0))
     t0, first = time.perf_counter(), manifest["rounds"]
+    written, last_write, interrupted = 0, t0, False  # generated tokens of the rounds written by this run
     with tqdm(total=tokens, desc="corpus: tokens added", unit="tok") as bar:
         pipe = _Pipeline(engine, models, settings, {s.meta["key"] for s in stored}, {_ids_key(s.ids) for s in stored},
                          held_out, bar)
         rounds: list[_Round] = []  # started, not yet written, in order
         nxt = first
-        while True:
-            # start a round while the batch has room for it and more tokens are wanted
-            per_round = pipe.added / max(1, nxt - first) if nxt > first else 0
-            wanted = pipe.added + per_round * len(rounds) < tokens
-            # up to 4 rounds open: admission is first come, first served, so a round's last links
-            # (reply, next turn, continuation) queue behind later rounds' work and finish late
-            if (wanted and len(rounds) < 4 and len(pipe.inflight) < max_batch
-                    and (max_rounds is None or nxt - first < max_rounds)):
-                rounds.append(pipe.start(nxt))
-                nxt += 1
-            if not pipe.inflight:
-                break
-            pipe.step()
-            while rounds and rounds[0].pending == 0:  # written in order, each whole, then counted
-                _write_round(out, rounds.pop(0))
-                manifest["rounds"] += 1
-                _write_manifest(out, manifest, None)
-    seconds = time.perf_counter() - t0
+        try:
+            while True:
+                # start a round while the batch has room for it and more tokens are wanted
+                per_round = written / max(1, manifest["rounds"] - first) if manifest["rounds"] > first else 0
+                wanted = max(pipe.added, written + per_round * len(rounds)) < tokens
+                # up to 4 rounds open: admission is first come, first served, so a round's last links
+                # (reply, next turn, continuation) queue behind later rounds' work and finish late
+                if (wanted and len(rounds) < 4 and len(pipe.inflight) < max_batch
+                        and (max_rounds is None or nxt - first < max_rounds)):
+                    rounds.append(pipe.start(nxt))
+                    nxt += 1
+                if not pipe.inflight:
+                    break
+                pipe.step()
+                while rounds and rounds[0].pending == 0:  # written in order, each whole, then counted
+                    written += _write_round(out, rounds.pop(0))
+                    last_write = time.perf_counter()
+                    manifest["rounds"] += 1
+                    _write_manifest(out, manifest, None)
+        except KeyboardInterrupt:  # Ctrl-C: the rounds written so far stay; those under way are dropped
+            interrupted = True
+    seconds = last_write - t0  # up to the last round written: what the run's tokens cost
     run = {"finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rounds": manifest["rounds"] - first,
-           "tokens_added": pipe.added, "seconds": round(seconds, 1),
-           "tokens_per_s": round(pipe.added / max(seconds, 1e-9), 1), "dropped": dict(pipe.dropped),
-           "max_batch": max_batch, "dtype": str(models.target.dtype).removeprefix("torch."),
-           "torch_threads": torch.get_num_threads()}
+           "tokens_added": written, "seconds": round(seconds, 1), "tokens_per_s": round(written / max(seconds, 1e-9), 1),
+           "dropped": dict(pipe.dropped), "max_batch": max_batch, "dtype": str(models.target.dtype).removeprefix("torch."),
+           "torch_threads": torch.get_num_threads(), **({"interrupted": True} if interrupted else {})}
     _write_manifest(out, manifest, run)
     return manifest
 
 
-def _write_round(out: Path, rnd: _Round) -> None:
+def _write_round(out: Path, rnd: _Round) -> int:
     """The round's ids and index; the manifest that counts it is written after (a crash in between
-    leaves files no manifest counts, overwritten by the next run)."""
+    leaves files no manifest counts, overwritten by the next run). Returns its generated tokens."""
     rows = sorted(rnd.rows, key=lambda row: row[0])
     np.concatenate([ids for _, ids, _ in rows] or [np.zeros(0, "<u2")]).tofile(out / f"round-{rnd.r:05d}.u16")
     (out / f"round-{rnd.r:05d}.jsonl").write_text("".join(json.dumps(meta) + "\n" for _, _, meta in rows))
+    return sum(meta["len"] - meta["prompt_len"] for _, _, meta in rows)
 
 
 def summarize(seqs: list[Sequence]) -> dict:
