@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.specserve-installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install serve run test bench bench-http profile bench-policies distill clean
+.PHONY: install serve run test bench bench-http profile bench-policies distill distill-corpus clean
 
 # torch is pinned to the local CPU wheel (an unpinned torch pulls GBs of CUDA); on GPU machines
 # install torch for your CUDA first (docs/development.md, "GPU install"), then `pip install -e .`.
@@ -51,6 +51,10 @@ bench-policies: install  ## none, fixed:1..8, lut, adaptive under uniform, time-
 distill: install  ## train the default EAGLE-3 draft's recipe for the embedded target into OUT (default out/draft; re-running resumes)
 	$(VENV)/bin/specserve distill --target embedded --out $(or $(OUT),out/draft) --method eagle3 --dtype bfloat16 \
 		--prompts 800 --self-prompts 1400 --samples 0 --epochs 6 --lr 5e-4
+
+distill-corpus: install  ## keep training INIT (default out/draft, from `make distill`) on the committed corpus into OUT (default out/draft-corpus): the default draft's second stage
+	$(VENV)/bin/specserve distill --method eagle3 --corpus corpora/smollm2-135m-instruct --init $(or $(INIT),out/draft) \
+		--out $(or $(OUT),out/draft-corpus) --epochs 2 --lr 3e-4
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

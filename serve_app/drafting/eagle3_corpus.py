@@ -14,6 +14,7 @@ the same batches from where it stopped. `init`: start from an existing draft (it
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 import time
@@ -105,18 +106,25 @@ def train_from_corpus(draft: Eagle3Draft, target, seqs: list[Sequence], epochs: 
     last epoch stops part way). deadline: a time.time() after which training stops at the next checkpoint."""
     torch.manual_seed(seed)
     params = [q for q in draft.parameters() if q.requires_grad]
-    per_epoch = len(epoch_batches(seqs, batch_tokens, max_len, seed, 0))
-    total = max(1, int(epochs * per_epoch))
+    # batches per epoch: each epoch's own (its shuffle groups sequences differently); a fractional last
+    # epoch is cut short. Step `done` is batch `done - starts[e]` of epoch e.
+    sizes = [len(epoch_batches(seqs, batch_tokens, max_len, seed, e)) for e in range(math.ceil(epochs))]
+    if epochs % 1:
+        sizes[-1] = max(1, int(epochs % 1 * sizes[-1]))
+    starts = [sum(sizes[:e]) for e in range(len(sizes))]
+    total = sum(sizes)
     opt, sched, state = optimizer_and_resume(draft, params, lr, total, 50, ckpt)
     done, history = (state["done"], state["history"]) if state is not None else (0, [])
     head = target.get_output_embeddings().weight[draft.token_ids.to(target.device)].detach()  # [N, H]
     layers = list(draft.feature_layers)
     draft.train()
-    loss_sum, agree_sum, n = 0.0, [0.0] * steps, 0
+    loss_sum, agree_sum, n, order = 0.0, [0.0] * steps, 0, None
     with tqdm(total=total, initial=done, desc="training eagle3 draft (corpus)", unit="step") as bar:
         while done < total:
-            epoch, at = divmod(done, per_epoch)
-            batch = epoch_batches(seqs, batch_tokens, max_len, seed, epoch)[at]
+            epoch = bisect.bisect_right(starts, done) - 1
+            if done == starts[epoch] or order is None:
+                order = epoch_batches(seqs, batch_tokens, max_len, seed, epoch)
+            batch = order[done - starts[epoch]]
             ids, feats, p, valid = teacher(target, [seqs[j] for j in batch], layers, head, max_len, generated_only)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 loss, agree = dense_losses(draft, ids, feats, p, valid, steps)
@@ -130,10 +138,10 @@ def train_from_corpus(draft: Eagle3Draft, target, seqs: list[Sequence], epochs: 
             agree_sum = [a + b for a, b in zip(agree_sum, agree + [0.0] * (steps - len(agree)))]
             bar.update(1)
             bar.set_postfix(loss=f"{loss_sum / n:.3f}", agree="/".join(f"{a / n:.2f}" for a in agree_sum))
-            end_of_epoch = done % per_epoch == 0 or done == total
+            end_of_epoch = done == starts[epoch] + sizes[epoch]
             if end_of_epoch or done % ckpt_every == 0:
                 if end_of_epoch:
-                    history.append({"epoch": (done - 1) // per_epoch, "steps": n, "loss": round(loss_sum / n, 4),
+                    history.append({"epoch": epoch, "steps": n, "loss": round(loss_sum / n, 4),
                                     "agree": [round(a / n, 4) for a in agree_sum]})
                     loss_sum, agree_sum, n = 0.0, [0.0] * steps, 0
                 if ckpt is not None:
@@ -142,7 +150,7 @@ def train_from_corpus(draft: Eagle3Draft, target, seqs: list[Sequence], epochs: 
                 if deadline is not None and time.time() > deadline:
                     break
     if n:  # stopped part way through an epoch (deadline): its figures so far
-        history.append({"epoch": done // per_epoch, "steps": n, "loss": round(loss_sum / n, 4),
+        history.append({"epoch": bisect.bisect_right(starts, done - 1) - 1, "steps": n, "loss": round(loss_sum / n, 4),
                         "agree": [round(a / n, 4) for a in agree_sum], "partial": True})
     draft.eval()
     return history
