@@ -241,6 +241,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="--corpus: loss on generated positions only (not on the prompt's)")
     d.add_argument("--limit-tokens", type=int, default=None,
                    help="--corpus: train on the first sequences holding about this many generated tokens")
+    d.add_argument("--device", default="cpu", help="--corpus: where the target and the draft run (cpu, cuda, cuda:N)")
     d.add_argument("--max-hours", type=float, default=None,
                    help="--corpus: stop at the first checkpoint after this long (re-run to resume)")
     d.add_argument("--epochs", type=float, default=5, help="training epochs (--corpus: may be fractional)")
@@ -259,6 +260,7 @@ def _parser() -> argparse.ArgumentParser:
                                      "--tokens new tokens are stored; commit the directory after each run")
     cg.add_argument("--target", default=EMBEDDED)
     cg.add_argument("--dtype", default="auto", help="the target's dtype while it writes (auto: bfloat16 where native)")
+    cg.add_argument("--device", default="cpu", help="where the target runs (cpu, cuda, cuda:N)")
     cg.add_argument("--out", default=None, help="corpus directory (default corpora/<target>)")
     cg.add_argument("--tokens", type=int, default=200_000, help="new generated tokens to add in this run")
     cg.add_argument("--max-rounds", type=int, default=None, help="stop after this many rounds even if short of --tokens")
@@ -750,7 +752,7 @@ def _distill_from_corpus(args, layers: list[int] | None) -> int:
         raise UsageError("--corpus trains an EAGLE-3 draft: add --method eagle3")
     if args.epochs <= 0 or args.batch_tokens < 16:
         raise UsageError("--epochs must be > 0 and --batch-tokens >= 16")
-    target, tokenizer, name = load_target(args.target, args.dtype or "auto")
+    target, tokenizer, name = load_target(args.target, args.dtype or "auto", args.device)
     deadline = time.time() + 3600 * args.max_hours if args.max_hours else None
     try:
         meta = distill_from_corpus(target, tokenizer, name, args.corpus, args.out, args.init, args.epochs,
@@ -785,7 +787,7 @@ def _cmd_corpus(args) -> int:
         raise UsageError("--tokens and --max-batch must be >= 1")
     from serve_app.models import LoadedModels, load_target
 
-    target, tokenizer, name = load_target(args.target, args.dtype)
+    target, tokenizer, name = load_target(args.target, args.dtype, args.device)
     models = LoadedModels(target, None, tokenizer, name, "none")
     out = args.out or _default_corpus(args.target)
     try:

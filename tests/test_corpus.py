@@ -148,13 +148,17 @@ def test_cli_corpus_grow_and_show(tmp_path, capsys):
     assert main(["corpus", "show", str(tmp_path / "nothing")]) == 2
 
 
-def test_epochs_of_different_batch_counts_are_each_read_whole(models, corpus):
+def test_epochs_of_different_batch_counts_are_each_read_whole(models):
     """An epoch's shuffle groups sequences differently, so epochs can differ in batch count: each is read whole."""
-    seqs = load_corpus(corpus)
-    budget = next(bt for bt in range(40, 400, 3)
+    from serve_app.drafting.corpus import Sequence
+
+    rng = np.random.default_rng(0)
+    vocab = models.target.config.vocab_size
+    seqs = [Sequence(rng.integers(3, vocab, size=int(n)).astype(np.uint16), 2, {}) for n in rng.integers(4, 40, 300)]
+    budget = next(bt for bt in range(40, 2000, 7)
                   if len({len(epoch_batches(seqs, bt, 1024, 0, e)) for e in range(3)}) > 1)
     sizes = [len(epoch_batches(seqs, budget, 1024, 0, e)) for e in range(3)]
     target = models.target.double()
-    draft = Eagle3Draft.from_target(target, corpus_token_set(seqs, 24, set()), LAYERS).cast_own(torch.float32)
+    draft = Eagle3Draft.from_target(target, torch.arange(3, vocab), LAYERS).cast_own(torch.float32)
     history = train_from_corpus(draft, target, seqs, epochs=3, batch_tokens=budget, lr=1e-3, seed=0)
     assert [h["steps"] for h in history] == sizes

@@ -126,7 +126,7 @@ def train_from_corpus(draft: Eagle3Draft, target, seqs: list[Sequence], epochs: 
                 order = epoch_batches(seqs, batch_tokens, max_len, seed, epoch)
             batch = order[done - starts[epoch]]
             ids, feats, p, valid = teacher(target, [seqs[j] for j in batch], layers, head, max_len, generated_only)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            with torch.autocast(head.device.type, dtype=torch.bfloat16, enabled=bf16):
                 loss, agree = dense_losses(draft, ids, feats, p, valid, steps)
             opt.zero_grad()
             loss.backward()
@@ -185,10 +185,11 @@ def distill_from_corpus(target, tokenizer, target_name: str, corpus_dir: str, ou
         eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         layers = feature_layers or default_feature_layers(target.config.num_hidden_layers)
         draft = Eagle3Draft.from_target(target, corpus_token_set(seqs, num_tokens, eos), layers).cast_own(torch.float32)
+    draft = draft.to(target.device)  # a GPU target (`--device cuda`): the draft trains beside it
     if bf16 is None:
         from serve_app.models import cpu_has_bf16
 
-        bf16 = cpu_has_bf16()
+        bf16 = target.device.type == "cuda" or cpu_has_bf16()
     t = time.perf_counter()
     history = train_from_corpus(draft, target, seqs, epochs, batch_tokens, lr, seed, steps,
                                 ckpt=out / "work" / "checkpoint.pt", bf16=bf16, generated_only=generated_only,
