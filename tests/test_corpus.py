@@ -10,15 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import IdTokenizer, make_tokenizer, tiny_llama
+from conftest import make_tokenizer, tiny_llama
 from test_eagle3 import target_features
-from serve_app.config import EngineConfig, SamplingParams
-from serve_app.drafting import draft_worker
+from test_eagle3_train import assert_serves_losslessly
 from serve_app.drafting.corpus import CorpusSettings, grow, load_corpus, read_manifest
 from serve_app.drafting.eagle3 import Eagle3Draft
 from serve_app.drafting.eagle3_corpus import corpus_token_set, epoch_batches, teacher, train_from_corpus
-from serve_app.engine.scheduler import Engine
-from serve_app.engine.worker import ModelWorker
 from serve_app.models import LoadedModels
 
 SMALL = CorpusSettings(self_prompts=8, seed_prompts=3, samples=1, max_tokens=12)
@@ -120,15 +117,7 @@ def test_training_from_the_corpus_lifts_agreement_resumes_and_serves_losslessly(
                       ckpt_every=5)
     for a, b in zip(draft.state_dict().values(), resumed.state_dict().values()):
         torch.testing.assert_close(a, b)
-    draft = draft.cast_own(torch.float64)
-    prompts = [s.ids[: s.prompt_len].tolist() for s in seqs[:4]]
-    engine = Engine(ModelWorker(target, "target"), draft_worker(draft), IdTokenizer(),
-                    EngineConfig(policy="fixed:3", max_batch_size=4), eos_ids=set())
-    reqs = [engine.submit(p, SamplingParams(max_tokens=12)) for p in prompts]
-    engine.run(reqs)
-    ref = [target.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                           max_new_tokens=12, do_sample=False, eos_token_id=[])[0, len(p):].tolist() for p in prompts]
-    assert [r.output_ids for r in reqs] == ref
+    assert_serves_losslessly(target, draft, [s.ids[: s.prompt_len].tolist() for s in seqs[:4]], 12, max_batch=4)
 
 
 def test_cli_corpus_grow_and_show(tmp_path, capsys):

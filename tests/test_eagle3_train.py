@@ -48,6 +48,19 @@ def test_unrolled_training_steps_equal_what_the_draft_computes_when_serving():
         torch.testing.assert_close(states[2][0, p], serve(p + 1, [states[0][0, p], states[1][0, p]]))
 
 
+def assert_serves_losslessly(target, draft, prompts: list[list[int]], max_tokens: int, max_batch: int):
+    """The trained draft (cast to float64) at fixed:3 gives the target's own greedy text; returns the requests."""
+    engine = Engine(ModelWorker(target, "target"), draft_worker(draft.cast_own(torch.float64)), IdTokenizer(),
+                    EngineConfig(policy="fixed:3", max_batch_size=max_batch), eos_ids=set())
+    reqs = [engine.submit(p, SamplingParams(max_tokens=max_tokens)) for p in prompts]
+    engine.run(reqs)
+    ref = [target.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                           max_new_tokens=max_tokens, do_sample=False, eos_token_id=[])[0, len(p):].tolist()
+           for p in prompts]
+    assert [r.output_ids for r in reqs] == ref
+    return reqs
+
+
 @pytest.fixture(scope="module")
 def tiny_data():
     tok = make_tokenizer()
@@ -77,15 +90,7 @@ def test_training_lifts_agreement_and_the_trained_draft_stays_lossless(tiny_data
     again = train_eagle3(Eagle3Draft.from_target(target, token_set(data, 20, set()), LAYERS).cast_own(torch.float32), data, epochs=20,
                          batch_size=8, lr=5e-3, seed=0, steps=3, ckpt=tmp_path / "ck.pt")
     assert again == history  # resumed from the checkpoint, nothing retrained
-    draft = draft.cast_own(torch.float64)
-    prompts = [d["ids"][: d["start"]] for d in data[:5]]
-    engine = Engine(ModelWorker(target, "target"), draft_worker(draft), IdTokenizer(),
-                    EngineConfig(policy="fixed:3", max_batch_size=3), eos_ids=set())
-    reqs = [engine.submit(p, SamplingParams(max_tokens=16)) for p in prompts]
-    engine.run(reqs)
-    ref = [target.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                           max_new_tokens=16, do_sample=False, eos_token_id=[])[0, len(p):].tolist() for p in prompts]
-    assert [r.output_ids for r in reqs] == ref
+    reqs = assert_serves_losslessly(target, draft, [d["ids"][: d["start"]] for d in data[:5]], 16, max_batch=3)
     accepted = sum(r.stats.accepted for r in reqs) / sum(r.stats.steps for r in reqs)
     assert accepted > 0.5  # tokens accepted per step: the trained head drafts from the target's features
 
