@@ -46,7 +46,7 @@ class _ModelHost:
             self.worker = ModelWorker(target, "target", tokenizer.pad_token_id or 0)
         else:  # the target's weights only if the draft is built from them (not for ngram, a separate model)
             draft, tokenizer = load_draft_for_host(mc)
-            self.worker = draft_worker(draft, tokenizer.pad_token_id or 0)
+            self.worker = draft_worker(draft, tokenizer.pad_token_id or 0, mc.prompt_lookup)
 
         self.worker.tokenizer = tokenizer  # structured outputs: grammar masks over the vocabulary's strings
         self.worker.flush_denormals = False  # on for the whole process already (above)

@@ -40,6 +40,10 @@ class ModelConfig(BaseModel):
     device: str = "cpu"
     """Device: cpu, cuda, cuda:N, or `auto` (accelerate device_map) for models larger than one GPU."""
 
+    prompt_lookup: bool = True
+    """Beside a draft model, let a row copy from its own context (prompt lookup) where its record of copies
+    beats the model's confidence: answers that rewrite, fix or quote their prompt (`engine/lookup.py`)."""
+
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, v: str) -> str:

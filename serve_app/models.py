@@ -75,6 +75,8 @@ class LoadedModels:
     tokenizer: object
     target_name: str
     draft_name: str
+    prompt_lookup: bool = False
+    """The draft's rows may copy from their own context (`ModelConfig.prompt_lookup`)."""
 
 
 def embedded_gguf() -> Path:
@@ -258,7 +260,7 @@ def load_models(cfg: ModelConfig) -> LoadedModels:
     target, tokenizer, target_name = load_target(cfg.target, cfg.dtype, cfg.device)
     spec = draft_spec(cfg)
     draft = None if spec == "none" else load_draft(spec, target, tokenizer, cfg.dtype, cfg.device)
-    return LoadedModels(target, draft, tokenizer, target_name, display_name(spec))
+    return LoadedModels(target, draft, tokenizer, target_name, display_name(spec), cfg.prompt_lookup)
 
 
 def truncated_draft(target: nn.Module, n_layers: int) -> nn.Module:

@@ -90,6 +90,22 @@ def test_greedy_with_controls_identical_to_reference_at_any_k(eos_target, near_d
         assert sum(r.stats.accepted for r in reqs) > 0  # drafts were accepted under the controls
 
 
+def test_greedy_with_controls_identical_to_reference_with_ragged_rows(eos_target, near_draft):
+    """Per-row plans: rows stop drafting at different positions and later draft forwards run over fewer rows,
+    whose controls still count each row's own drafts."""
+    from test_per_row import RandomPlans
+
+    engine = Engine(ModelWorker(eos_target, "target"), ModelWorker(near_draft, "draft"), IdTokenizer(),
+                    EngineConfig(max_batch_size=4), policy=RandomPlans(5), eos_ids={EOS})
+    jobs = [(PROMPTS[i % len(PROMPTS)], c) for i, c in enumerate(CONTROLS)]
+    reqs = [engine.submit(p, params(c)) for p, c in jobs]
+    engine.run(reqs)
+    for (prompt, c), r in zip(jobs, reqs):
+        full = params(c).model_copy(update={"eos_token_ids": [EOS]})
+        assert r.output_ids == reference_greedy(eos_target, prompt, full), c
+    assert sum(r.stats.accepted for r in reqs) > 0
+
+
 def test_controls_change_the_output_and_stop_ids_end_it(eos_target, near_draft):
     engine = make_engine(eos_target, near_draft, "fixed:3")
     plain = engine.submit(PROMPTS[0], params({}))

@@ -27,8 +27,12 @@ def chat_ids(models, text: str) -> list[int]:
                                               add_generation_prompt=True), add_special_tokens=False)
 
 
-def run(models, policy: str, jobs: list[tuple[list[int], SamplingParams]]):
-    engine = Engine.from_models(models, EngineConfig(policy=policy, max_batch_size=8))
+def run(models, policy, jobs: list[tuple[list[int], SamplingParams]]):
+    """policy: a spec, or a policy object (per-row plans)."""
+    if isinstance(policy, str):
+        engine = Engine.from_models(models, EngineConfig(policy=policy, max_batch_size=8))
+    else:
+        engine = Engine.from_models(models, EngineConfig(max_batch_size=8), policy)
     reqs = [engine.submit(ids, p) for ids, p in jobs]
     engine.run(reqs)
     return reqs
@@ -37,16 +41,19 @@ def run(models, policy: str, jobs: list[tuple[list[int], SamplingParams]]):
 def test_json_schema_answers_validate_and_are_the_same_at_any_k(models):
     cases = suite(50)[::9]  # six cases across topics and schema styles
     jobs = [(c["messages"][0]["content"], c["schema"]) for c in cases]
+    from test_per_row import RandomPlans
+
     texts = {}
-    for k in (0, 4):
-        reqs = run(models, f"fixed:{k}", [(chat_ids(models, m), SamplingParams(max_tokens=64, structured={"json_schema": s}))
-                                          for m, s in jobs])
+    for k in (0, 4, "per-row"):  # per-row: each row its own length each step, JSON rows beside plain ones
+        policy = RandomPlans(7) if k == "per-row" else f"fixed:{k}"
+        reqs = run(models, policy, [(chat_ids(models, m), SamplingParams(max_tokens=64, structured={"json_schema": s}))
+                                    for m, s in jobs])
         texts[k] = [models.tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in reqs]
         for (m, schema), text in zip(jobs, texts[k]):
             assert validates(text, schema), (k, m, text)
         if k:
             assert sum(r.stats.accepted for r in reqs) > 0  # speculation stayed on under the grammar
-    assert texts[0] == texts[4]
+    assert texts[0] == texts[4] == texts["per-row"]
 
 
 def test_choice_regex_and_json_object(models):

@@ -17,10 +17,14 @@ propose(ids, k) -> Proposal, commit(ids, new_tokens, features), info(). A draft 
 """
 
 
-def draft_worker(draft, pad_id: int = 0):
+def draft_worker(draft, pad_id: int = 0, prompt_lookup: bool = False):
     """The worker that hosts a loaded draft: a causal LM (layer-copy, truncated, any HF model) runs in
-    a ModelWorker; drafts of other kinds bring their own worker class (`draft.worker_class`)."""
+    a ModelWorker; drafts of other kinds bring their own worker class (`draft.worker_class`). With
+    `prompt_lookup`, a model draft's rows may copy from their own context instead (`engine.lookup`)."""
     from serve_app.engine.worker import ModelWorker
 
     cls = getattr(draft, "worker_class", None)
-    return cls(draft, pad_id) if cls is not None else ModelWorker(draft, "draft", pad_id)
+    worker = cls(draft, pad_id) if cls is not None else ModelWorker(draft, "draft", pad_id)
+    if isinstance(worker, ModelWorker):
+        worker.prompt_lookup = prompt_lookup
+    return worker

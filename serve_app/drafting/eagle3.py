@@ -156,7 +156,10 @@ class Eagle3Draft(nn.Module):
 
     def full_logits(self, state: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V]
         """Logits over the target's whole vocabulary: -inf outside the draft's tokens."""
-        small = self.reduced_logits(state)  # [..., N]
+        return self.spread(self.reduced_logits(state))
+
+    def spread(self, small: torch.Tensor) -> torch.Tensor:  # [..., N] -> [..., V]
+        """Reduced logits over the target's whole vocabulary: -inf outside the draft's tokens."""
         full = small.new_full((*small.shape[:-1], self.vocab_size), float("-inf"))
         full[..., self.token_ids] = small
         return full

@@ -16,8 +16,10 @@ import time
 
 import torch
 
+from serve_app.engine.draftplan import DraftPlan
 from serve_app.engine.kv import pack
-from serve_app.engine.worker import ModelWorker, Proposal, _backlog_agreement, _proposal, paged_attention, settle_guide
+from serve_app.engine.worker import (Drafting, ModelWorker, Proposal, _backlog_agreement, paged_attention, settle_copy,
+                                     settle_guide)
 
 
 class EagleWorker(ModelWorker):
@@ -75,6 +77,7 @@ class EagleWorker(ModelWorker):
         for sid, new in zip(seq_ids, new_tokens):
             self.seqs[sid].tokens.extend(new)
             settle_guide(self.seqs[sid], new)
+            settle_copy(self.seqs[sid], new)
             self.cache.trim(sid, self.seqs[sid].kv_len)  # its own speculative positions go
         if features is not None:
             self._take(seq_ids, features)
@@ -88,11 +91,12 @@ class EagleWorker(ModelWorker):
                 self.seqs[sid].extra["features"].append(f)
 
     @torch.inference_mode()
-    def propose(self, seq_ids: list[str], k: int) -> Proposal:
+    def propose(self, seq_ids: list[str], k: int | DraftPlan) -> Proposal:
         seqs = self._rows(seq_ids)
-        if k == 0:
-            return Proposal.empty(len(seqs))
         lens = [len(s.tokens) for s in seqs]
+        drafting = Drafting(self, seqs, k, lens)
+        if drafting.k == 0:
+            return Proposal.empty(len(seqs))
         # catch-up: positions kv_len .. L-2, each pairing the target's feature with the token after it
         feats = [torch.cat(s.extra["features"]) if s.extra["features"] else torch.zeros(0, self.feature_dim)
                  for s in seqs]
@@ -105,26 +109,26 @@ class EagleWorker(ModelWorker):
         fused = self.model.fuse(torch.cat(feats).to(self.device))  # [T, H]: packed, like the fed tokens
         self._sync()
         self.timings["forward_s"] += time.perf_counter() - t0
-        logits, state = self._step(seq_ids, fed, [s.kv_len for s in seqs], fused, window)
+        logits, state, small = self._step(seq_ids, fed, [s.kv_len for s in seqs], fused, window)
         backlog = self._timed(_backlog_agreement, seqs, fed, logits)
         for s, n in zip(seqs, lens):
             s.kv_len, s.extra["features"] = n - 1, []
-        tokens, probs, support = [], [], []
-        draw = self._drawer(seqs)
-        for j in range(k):
-            tok, q, ids = self._timed(draw, logits[:, -1], [n + j for n in lens])
-            tokens.append(tok)
-            probs.append(q)
-            support.append(ids)
-            if j + 1 < k:  # the next step feeds this token with the draft's own state
-                logits, state = self._step(seq_ids, [[t] for t in tok.tolist()], [n - 1 + j for n in lens],
-                                           state[:, -1], 1)
-        return _proposal(tokens, probs, support, len(seqs), backlog)
+        rows = drafting.rows  # the rows of the last forward: every one, then those the model still drafts for
+        for j in range(drafting.k):
+            tok = drafting.position(logits[:, -1], small[:, -1]).tolist()
+            if not drafting.more:
+                break
+            # the next step feeds each drafting row's token with the draft's own state
+            pick = torch.tensor([rows.index(b) for b in drafting.rows])
+            rows = drafting.rows
+            logits, state, small = self._step([seq_ids[b] for b in rows], [[tok[b]] for b in rows],
+                                              [lens[b] - 1 + j for b in rows], state[pick, -1], 1)
+        return drafting.proposal(backlog)
 
     def _step(self, seq_ids: list[str], fed: list[list[int]], starts: list[int], hidden: torch.Tensor, keep: int):
         """One packed forward of the draft layer: row b feeds fed[b] at positions starts[b], ... with
-        hidden [T, H] (packed the same way). Returns (logits [B, keep, V], state [B, keep, H]) of each
-        row's last `keep` fed positions."""
+        hidden [T, H] (packed the same way). Returns (logits [B, keep, V], state [B, keep, H], logits over the
+        draft's own vocabulary [B, keep, N]) of each row's last `keep` fed positions."""
         t0 = time.perf_counter()
         index = self._last(fed, keep).to(self.device)  # [B, keep]
         ids, pos, batch = pack(self.cache, seq_ids, fed, starts, self.device)
@@ -133,10 +137,11 @@ class EagleWorker(ModelWorker):
             state = self.model.step(ids, hidden[None].to(self.device), pos, None, self.cache,
                                     specserve_batch=batch)[0, index]
         self.cache.batch = None
-        logits = self.model.full_logits(state)
+        small = self.model.reduced_logits(state)
+        logits = self.model.spread(small)
         self._sync()
         self.timings["forward_s"] += time.perf_counter() - t0
-        return logits, state
+        return logits, state, small
 
     def info(self) -> dict:
         return {**super().info(), "feature_layers": self.model.feature_layers}

@@ -23,12 +23,14 @@ worth coupling one user's speed to another's text.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from serve_app.config import SamplingParams
 from serve_app.profiling.profiles import detect_gpu_type
+from serve_app.engine.draftplan import DraftPlan, PlanWalk
+from serve_app.engine.lookup import NgramIndex
 from serve_app.engine.worker import Proposal, lookup, new_timings
 
 
@@ -56,14 +58,8 @@ class NgramDraft:
 
 @dataclass
 class _Sequence:
-    tokens: list[int]  # committed tokens: prompt + output
     params: SamplingParams
-    index: dict[tuple[int, ...], int]
-    """n-gram -> position right after its most recent occurrence that has a successor, so
-    tokens[index[g]] is what followed g last time. The sequence's own suffix is never indexed until a
-    token follows it, so a lookup finds an earlier occurrence only."""
-    counts: dict[int, int] = field(default_factory=dict)  # token -> occurrences in tokens
-    most_frequent: int = 0  # the first token to reach the highest count: the no-match filler
+    ngrams: NgramIndex
     proposed: bool = False  # a proposal is outstanding: the next commit settles it
     checked: int = 0  # backlog evidence since the last proposal (see NgramWorker.commit)
     matched: int = 0
@@ -84,9 +80,7 @@ class NgramWorker:
         for sid, prompt, p in zip(seq_ids, prompts, params):
             if sid in self.seqs:
                 raise ValueError(f"sequence {sid!r} already exists")
-            s = _Sequence(tokens=[], params=p, index={})
-            self._extend(s, prompt)
-            self.seqs[sid] = s
+            self.seqs[sid] = _Sequence(p, NgramIndex(self.draft.min_n, self.draft.max_n, prompt))
             self.order.append(sid)
         return [0] * len(seq_ids)
 
@@ -109,24 +103,50 @@ class NgramWorker:
         self._rows(seq_ids)
 
     # ---- draft side --------------------------------------------------------------------------
-    def propose(self, seq_ids: list[str], k: int) -> Proposal:
-        """k tokens per sequence from its own context; q one-hot at them for sampled rows."""
+    def propose(self, seq_ids: list[str], k: int | DraftPlan) -> Proposal:
+        """k tokens per sequence from its own context; q one-hot at them for sampled rows. With a
+        `DraftPlan`, a row's copy is as sure as its matched suffix is long (`match_confidence`), and the
+        plan's walk keeps what is worth verifying."""
         seqs = self._rows(seq_ids)
+        plan = k if isinstance(k, DraftPlan) else None
+        k = plan.k if plan is not None else k
         if k == 0:  # keep the backlog for a step that speculates (a k = 0 step's stats drop it)
             return Proposal.empty(len(seqs))
         backlog = (sum(s.checked for s in seqs), sum(s.matched for s in seqs))
-        rows = []
+        rows, confs = [], []
         for s in seqs:
-            rows.append(self._continuation(s, k))
+            tokens, n = s.ngrams.match(k)
+            rows.append(tokens)
+            confs.append(self.match_confidence(n))
             s.proposed, s.checked, s.matched = True, 0, 0
         tokens = torch.tensor(rows, dtype=torch.long)  # [B, k]
         if all(s.params.greedy for s in seqs):
-            return Proposal(tokens, backlog=backlog)
-        # One-hot q in the sparse form: support = the proposed token, value 1 (0 for greedy rows, which
-        # the target never reads; ModelWorker leaves them at zero too).
-        sampled = torch.tensor([0.0 if s.params.greedy else 1.0 for s in seqs])
-        probs = sampled[:, None, None].expand(len(seqs), k, 1).contiguous()  # [B, k, 1]
-        return Proposal(tokens, probs, tokens[..., None].int(), backlog)  # support [B, k, 1]
+            out = Proposal(tokens, backlog=backlog)
+        else:
+            # One-hot q in the sparse form: support = the proposed token, value 1 (0 for greedy rows, which
+            # the target never reads; ModelWorker leaves them at zero too).
+            sampled = torch.tensor([0.0 if s.params.greedy else 1.0 for s in seqs])
+            probs = sampled[:, None, None].expand(len(seqs), k, 1).contiguous()  # [B, k, 1]
+            out = Proposal(tokens, probs, tokens[..., None].int(), backlog)  # support [B, k, 1]
+        if plan is None:
+            return out
+        walk = PlanWalk(plan)
+        for j in range(k):  # a copy is as sure at every position as its match
+            walk.position(j, confs, [True] * len(seqs))
+            if not any(walk.active):
+                break
+        if not any(walk.lengths):
+            for s in seqs:  # nothing proposed after all: the next commit is not a verdict on a proposal
+                s.proposed = False
+            return Proposal.empty(len(seqs))
+        out.lengths, out.lookup = walk.lengths, [True] * len(seqs)
+        out.conf = [[c] * n for c, n in zip(confs, walk.lengths)]
+        return out
+
+    def match_confidence(self, n: int) -> float:
+        """A copy's confidence for a policy's curve: its matched suffix's length over the longest tried (0:
+        no match, the filler)."""
+        return n / self.draft.max_n
 
     def commit(self, seq_ids: list[str], new_tokens: list[list[int]], features: list[torch.Tensor] | None = None) -> None:
         """Append each sequence's accepted drafts + target token and index them.
@@ -141,12 +161,12 @@ class NgramWorker:
             s = self.seqs[sid]
             if s.proposed:  # verification already counted these as accepted / rejected
                 s.proposed = False
-                self._extend(s, new)
+                s.ngrams.extend(new)
                 continue
             for t in new:
                 s.checked += 1
-                s.matched += self._continuation(s, 1)[0] == t
-                self._extend(s, [t])
+                s.matched += s.ngrams.match(1)[0][0] == t
+                s.ngrams.extend([t])
 
     def take_timings(self) -> dict:
         """No device work: lookups only (the engine's interface for benchmarks)."""
@@ -165,41 +185,5 @@ class NgramWorker:
         }
 
     # ---- internals -------------------------------------------------------------------------
-    def _continuation(self, s: _Sequence, k: int) -> list[int]:
-        """The k tokens after the most recent earlier occurrence of the longest matching suffix.
-
-        A recent match runs into the suffix itself (a loop of period len - e): the copy then reads
-        its own output, as LZ77 does, which continues the loop. No match (with min_n = 1: the last
-        token is new to this context): the sequence's most frequent token, repeated. It costs one
-        counter update per token and is right more often than repeating the last token (replaying the
-        target's greedy answers to the evaluation sets at k = 4: +0.02 tokens per step; +0.09 on the
-        structured set when answers end at EOS); re-matching after it gains nothing more.
-        """
-        toks = s.tokens
-        n_tok = len(toks)
-        for n in range(min(self.draft.max_n, n_tok), self.draft.min_n - 1, -1):
-            e = s.index.get(tuple(toks[n_tok - n :]))
-            if e is not None:
-                out: list[int] = []
-                for i in range(k):
-                    out.append(toks[e + i] if e + i < n_tok else out[e + i - n_tok])
-                return out
-        return [s.most_frequent] * k
-
-    def _extend(self, s: _Sequence, new: list[int]) -> None:
-        """Append tokens and index every n-gram that now has a successor: those ending at the old
-        end and inside the new tokens (not the new suffix)."""
-        start = max(len(s.tokens), 1)
-        s.tokens.extend(new)
-        toks = s.tokens
-        for t in new:
-            c = s.counts[t] = s.counts.get(t, 0) + 1
-            if c > s.counts.get(s.most_frequent, 0):
-                s.most_frequent = t
-        lo, hi = self.draft.min_n, self.draft.max_n
-        for e in range(start, len(toks)):  # the n-grams ending right before position e
-            for n in range(lo, min(hi, e) + 1):
-                s.index[tuple(toks[e - n : e])] = e
-
     def _rows(self, seq_ids: list[str]) -> list[_Sequence]:
         return lookup(self, seq_ids)

@@ -42,20 +42,21 @@ class Controls:
     def of(cls, seqs, device) -> "Controls | None":
         """From a worker's Sequences (their params, tokens, prompt_len, guide); None when none has any."""
         guides = [s.extra.get("guide") for s in seqs]
-        if not any(_has_controls(s.params) for s in seqs) and all(g is None for g in guides):
+        if not any(has_controls(s.params) for s in seqs) and all(g is None for g in guides):
             return None
         return cls([s.params for s in seqs], [s.tokens for s in seqs],
                    [s.extra.get("prompt_len", len(s.tokens)) for s in seqs], guides, device)
 
-    def set_masks(self, drafts: list[list[int]]) -> None:
-        """The grammar rows' masks for positions 0..k of a verification of `drafts`."""
-        k = len(drafts[0]) if drafts else 0
+    def set_masks(self, drafts: list[list[int]], k: int | None = None) -> None:
+        """The grammar rows' masks for positions 0..k of a verification of `drafts` (row b drafted
+        len(drafts[b]) <= k tokens; its positions past them are never reached)."""
+        k = max((len(d) for d in drafts), default=0) if k is None else k
         rows = [b for b, g in enumerate(self.guides) if g is not None]
         if rows:
             words = self.guides[rows[0]].words()
             self.masks = torch.full((len(self.guides), k + 1, words), -1, dtype=torch.int32)
             for b in rows:
-                self.masks[b] = self.guides[b].masks(drafts[b])
+                self.masks[b, : len(drafts[b]) + 1] = self.guides[b].masks(drafts[b])
 
     def apply(self, x: torch.Tensor, rows: torch.Tensor, j: int, extra) -> torch.Tensor:
         """x [A, V]: raw logits of batch rows `rows` [A] at position j (after extra[b][:j], extra a [B, >=j]
@@ -100,7 +101,7 @@ class Controls:
 
     # ---- internals -------------------------------------------------------------------------
     def _touches(self, b: int) -> bool:
-        return _has_controls(self.params[b]) or self.guides[b] is not None
+        return has_controls(self.params[b]) or self.guides[b] is not None
 
     def _banned(self, b: int, j: int, drafted: list[int]) -> list[int]:
         p = self.params[b]
@@ -179,5 +180,5 @@ def _penalized(p) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
-def _has_controls(p) -> bool:
+def has_controls(p) -> bool:
     return bool(p.logit_bias or p.min_tokens or p.bad_words_ids or _penalized(p))

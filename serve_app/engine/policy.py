@@ -8,10 +8,11 @@ Policies are pure Python, cheap (well under 1% of a step) and testable without m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from serve_app.profiling.profiles import LatencyGrid, expected_tokens
+from serve_app.engine.draftplan import DraftPlan
 from serve_app.engine.stats import StepStats
 
 
@@ -25,12 +26,16 @@ class BatchState:
     """Upper bound on k (engine configuration)."""
     has_draft: bool = True
     """False when no draft model is loaded: k must be 0."""
+    rows: tuple[str, ...] = ()
+    """The decoding rows' request ids, in the engine's order (per-row policies keep a record per request)."""
+    waiting: int = 0
+    """Requests queued or still prefilling: prompts that want a share of the step's token budget."""
 
 
 class Policy(Protocol):
     name: str
 
-    def choose(self, state: BatchState) -> int: ...
+    def choose(self, state: BatchState) -> int | DraftPlan: ...
 
     def observe(self, stats: StepStats) -> None: ...
 
@@ -172,25 +177,31 @@ class Adaptive:
             self.estimate.observe(stats)
 
 
-POLICY_FORMS = "none | fixed:K | lut | adaptive"
+POLICY_FORMS = "none | fixed:K | lut | adaptive | budget"
+PROFILE_POLICIES = ("lut", "adaptive", "budget")
+"""Policies that steer by a profile of the hardware type."""
 
 
 def make_policy(spec: str, profile=None) -> Policy:
     """Build a policy from its spec string; unknown specs raise ValueError up front.
 
-    `profile` (a profiles.Profile) is required by the profile-driven policies `lut` and `adaptive`.
+    `profile` (a profiles.Profile) is required by the profile-driven policies `lut`, `adaptive`, `budget`.
     """
     spec = spec.strip()
     if spec == "none":
         return NoSpeculation()
-    if spec in ("lut", "adaptive"):
+    if spec in PROFILE_POLICIES:
         if profile is None:
             raise ValueError(f"policy {spec!r} needs a profile for this hardware type (see profiles/)")
         if spec == "lut":
             return LookupTable(profile.best_k)
         if profile.latency is None or profile.acceptance_rate is None:
-            raise ValueError(f"policy 'adaptive' needs a profile with a latency grid and an acceptance rate; "
+            raise ValueError(f"policy {spec!r} needs a profile with a latency grid and an acceptance rate; "
                              f"the one for {profile.gpu_type} has only a best-k table (run `specserve profile`)")
+        if spec == "budget":
+            from serve_app.engine.budget import Budget
+
+            return Budget(profile.latency, profile.acceptance_rate)
         return Adaptive(profile.latency, profile.acceptance_rate)
     name, _, arg = spec.partition(":")
     if name == "fixed":
@@ -201,4 +212,16 @@ def make_policy(spec: str, profile=None) -> Policy:
 
 
 def needs_profile(spec: str) -> bool:
-    return spec.strip() in ("lut", "adaptive")
+    return spec.strip() in PROFILE_POLICIES
+
+
+def fit_choice(choice: int | DraftPlan, max_k: int, room: int, batch_size: int) -> int | DraftPlan:
+    """A policy's choice within the engine's limits: at most max_k per row and `room` drafted tokens in all
+    (the step's token budget less the rows' own tokens and what prefills keep). 0 when nothing is drafted."""
+    if isinstance(choice, DraftPlan):
+        caps = [min(c, max_k) for c in choice.caps]
+        limit = room if choice.max_tokens is None else min(choice.max_tokens, room)
+        if limit <= 0 or not any(caps):
+            return 0
+        return replace(choice, caps=caps, max_tokens=limit)
+    return max(0, min(choice, max_k, room // batch_size))

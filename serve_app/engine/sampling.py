@@ -300,14 +300,18 @@ def verify_walk(
     q_ids: torch.Tensor | None,  # [B, k, N] its token ids
     accept_u: torch.Tensor,  # [B, k] uniforms for the rejection tests
     process=None,  # (x [A, V], rows [A], j) -> x: a request's controls (`controls.Controls.apply`), or None
+    lengths: torch.Tensor | None = None,  # [B] long: row b drafted lengths[b] <= k tokens; None: all k
 ) -> tuple[torch.Tensor, torch.Tensor]:  # num_accepted [B] long, next_token [B] long
     """Walk the k+1 positions, touching only rows that accepted every draft so far: greedy rows accept
     while the draft equals the argmax, seeded rows while it equals the target's coupled choice (so the
     text is the target's coupled sample whatever k is), sampled rows by rejection sampling against q.
     A row leaves the walk with its recovered token at its first rejection, or its bonus token after
-    position k. Cost: a few vocabulary passes per row and position actually reached."""
+    its last draft (position k, or lengths[b]). Cost: a few vocabulary passes per row and position
+    actually reached."""
     bsz, k = drafts.shape
     dev = drafts.device
+    if lengths is None:
+        lengths = torch.full((bsz,), k, dtype=torch.long, device=dev)
     num_acc = torch.zeros(bsz, dtype=torch.long, device=dev)
     next_tok = torch.zeros(bsz, dtype=torch.long, device=dev)
     active = torch.arange(bsz, device=dev)
@@ -340,8 +344,12 @@ def verify_walk(
             if bool(c.any()):  # the coupled choice: the emitted token depends only on p and the seed
                 cr = c.nonzero().squeeze(1)
                 token[rows[cr]] = gumbel_argmax(_pick(x, cr), keys[rows_b[cr], j])
-            s = (~c).nonzero().squeeze(1)
-            if len(s) and j < k:  # rejection test against the draft's q, then the recovered token
+            unseeded = (~c).nonzero().squeeze(1)
+            drafted = lengths[rows_b[unseeded]] > j
+            s, bonus = unseeded[drafted], unseeded[~drafted]
+            if len(bonus):  # past the row's last draft: the bonus token, from p
+                token[rows[bonus]] = gumbel_argmax(_pick(x, bonus), keys[rows_b[bonus], j])
+            if len(s):  # rejection test against the draft's q, then the recovered token
                 xs, sb = _pick(x, s), rows_b[s]
                 lse = torch.logsumexp(xs, dim=-1)
                 d = drafts[sb, j]
@@ -353,10 +361,8 @@ def verify_walk(
                 if len(rej):
                     r = residual_logits_(_pick(xs, rej), lse[rej], vals[rej], ids[rej])
                     token[rows[s[rej]]] = gumbel_argmax(r, keys[sb[rej], j])
-            elif len(s):  # the bonus token, from p
-                token[rows[s]] = gumbel_argmax(_pick(x, s), keys[rows_b[s], j])
-        if j < k:  # greedy and seeded rows accept while their choice is the draft
-            accepted |= (g | seeded[active]) & (token == drafts[active, j])
+        if j < k:  # greedy and seeded rows accept while their choice is the draft (and they drafted j)
+            accepted |= (g | seeded[active]) & (token == drafts[active, j]) & (lengths[active] > j)
         next_tok[active[~accepted]] = token[~accepted]
         num_acc[active[accepted]] += 1
         active = active[accepted]

@@ -29,8 +29,8 @@ from typing import AsyncIterator, Callable
 
 from serve_app.config import EngineConfig, SamplingParams
 from serve_app.engine import grammar
-from serve_app.engine.policy import BatchState, Policy, make_policy
-from serve_app.engine.stats import RequestStats, StepStats
+from serve_app.engine.policy import BatchState, Policy, fit_choice, make_policy
+from serve_app.engine.stats import RequestStats, RowOutcomes, StepStats
 from serve_app.engine.textstream import TextStream
 from serve_app.engine.worker import ModelWorker, Proposal
 
@@ -165,7 +165,7 @@ class Engine:
 
         pad = models.tokenizer.pad_token_id or 0
         target = ModelWorker(models.target, "target", pad)
-        draft = draft_worker(models.draft, pad) if models.draft is not None else None
+        draft = draft_worker(models.draft, pad, models.prompt_lookup) if models.draft is not None else None
         return cls(target, draft, models.tokenizer, config, policy)
 
     # ---- requests ----------------------------------------------------------------------------
@@ -265,28 +265,31 @@ class Engine:
         self._admit(st)
         self._fit_kv(st)
         budget = self.config.max_num_batched_tokens
-        k = 0
-        if self.running:
-            k = self.policy.choose(BatchState(len(self.running), self.config.max_k, self.draft is not None))
+        ids = [r.id for r in self.running]
+        proposal = Proposal.empty(len(ids))
+        if ids and self.draft is not None:
+            choice = self.policy.choose(BatchState(len(ids), self.config.max_k, True, tuple(ids), len(self.prefilling)
+                                                   + len(self.waiting)))
             # the step's tokens stay within the budget, keeping a block's worth for prompts being prefilled
             # (never less than k = 0 leaves: admission keeps running + prefilling <= max_batch_size <= budget)
-            keep = min(self.config.block_size, budget - len(self.running)) if self.prefilling else 0
-            k = max(0, min(k, (budget - keep) // len(self.running) - 1))
-        chunks = self._plan_chunks(budget - len(self.running) * (k + 1))
-        if self.running or chunks:
-            ids = [r.id for r in self.running]
-            t = time.perf_counter()
-            proposal = self.draft.propose(ids, k) if k > 0 else Proposal.empty(len(ids))
-            st.draft_s += time.perf_counter() - t
+            keep = min(self.config.block_size, budget - len(ids)) if self.prefilling else 0
+            choice = fit_choice(choice, self.config.max_k, budget - keep - len(ids), len(ids))
+            if choice:
+                t = time.perf_counter()
+                proposal = self.draft.propose(ids, choice)
+                st.draft_s += time.perf_counter() - t
+        drafted = sum(proposal.row_lengths())
+        chunks = self._plan_chunks(budget - len(ids) - drafted)
+        if ids or chunks:
             t = time.perf_counter()
             verdict = self.target.verify(ids, proposal, chunks or None)
             st.verify_s += time.perf_counter() - t
             st.prefill_tokens = sum(chunks.values())
-            st.scheduled_tokens = len(ids) * (k + 1) + st.prefill_tokens
+            st.scheduled_tokens = len(ids) + drafted + st.prefill_tokens
             features, chunk_features = split_rows(verdict.features, len(ids))
             logprobs = verdict.logprobs or [None] * (len(ids) + len(chunks))
             if ids:
-                self._decoded(st, ids, k, proposal, verdict, features, logprobs)
+                self._decoded(st, ids, proposal, verdict, features, logprobs)
             if chunks:
                 self._prefilled(st, chunks, verdict.next_tokens[len(ids):], chunk_features, logprobs[len(ids):])
             self._evict([r for r in self.running if r.finished])
@@ -297,7 +300,7 @@ class Engine:
             fn(st)
         return outs
 
-    def _decoded(self, st: StepStats, ids: list[str], k: int, proposal: Proposal, verdict, features, logprobs) -> None:
+    def _decoded(self, st: StepStats, ids: list[str], proposal: Proposal, verdict, features, logprobs) -> None:
         """The decoding rows' part of a step: commit the draft, stream the accepted tokens."""
         num_accepted, next_tokens = verdict.num_accepted[: len(ids)], verdict.next_tokens[: len(ids)]
         new = [d[:n] + [nt] for d, n, nt in zip(proposal.tokens.tolist(), num_accepted, next_tokens)]
@@ -305,13 +308,17 @@ class Engine:
             t = time.perf_counter()
             self.draft.commit(ids, new, features)
             st.draft_s += time.perf_counter() - t
-        st.batch_size, st.k, st.proposed = len(ids), k, k * len(ids)
+        lengths = proposal.row_lengths()
+        k = max(lengths, default=0)
+        st.batch_size, st.k, st.proposed = len(ids), k, sum(lengths)
         st.backlog_checked, st.backlog_matched = proposal.backlog
         st.accepted = sum(num_accepted)
         st.accepted_per_position = [sum(n > i for n in num_accepted) for i in range(k)]
         st.generated = sum(len(x) for x in new)
-        for req, n, toks, lp in zip(self.running, num_accepted, new, logprobs):
-            req.stats.add_step(k, n)
+        if proposal.lengths is not None:  # a per-row plan: what each row drafted and got, for the policy
+            st.rows = RowOutcomes(list(ids), lengths, list(num_accepted), proposal.conf, proposal.lookup)
+        for req, n, toks, lp, length in zip(self.running, num_accepted, new, logprobs, lengths):
+            req.stats.add_step(length, n)
             self._outs.append((req, self._advance(req, toks, lp)))
 
     def _prefilled(self, st: StepStats, chunks: dict[str, int], first: list[int], features, logprobs) -> None:

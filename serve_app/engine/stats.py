@@ -22,6 +22,22 @@ class Acceptance:
 
 
 @dataclass
+class RowOutcomes:
+    """Row by row, what a step with a per-row plan (`draftplan.DraftPlan`) drafted and got accepted."""
+
+    ids: list[str]
+    """The decoding rows' request ids."""
+    drafted: list[int]
+    """Tokens each row drafted."""
+    accepted: list[int]
+    """Of those, how many the target accepted."""
+    conf: list[list[float]] | None = None
+    """The draft's confidence at each drafted position of each row."""
+    lookup: list[bool] | None = None
+    """Whether the row's tokens were copied from its own context (prompt lookup)."""
+
+
+@dataclass
 class StepStats(Acceptance):
     """What one engine step did, across the whole running batch."""
 
@@ -56,6 +72,8 @@ class StepStats(Acceptance):
     """Seconds in target forwards (verification and target prefill)."""
     other_s: float = 0.0
     """Seconds in everything else: scheduling, acceptance bookkeeping, detokenizing."""
+    rows: RowOutcomes | None = None
+    """Per row, with a per-row plan (k is then the longest row's drafted tokens, proposed their sum)."""
 
     def to_dict(self) -> dict:
         return asdict(self)

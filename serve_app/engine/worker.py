@@ -29,9 +29,11 @@ import torch
 
 from serve_app.config import SamplingParams
 from serve_app.profiling.profiles import detect_gpu_type
-from serve_app.engine.controls import Controls
+from serve_app.engine.controls import Controls, has_controls
+from serve_app.engine.draftplan import DraftPlan, PlanWalk
 from serve_app.engine.grammar import Guide
 from serve_app.engine.kv import ATTENTION, PagedKV, pack
+from serve_app.engine.lookup import LOOKUP_MIN_N, CopyRecord, NgramIndex
 from serve_app.engine.sampling import TOP_N, Warp, draft_choice, logprob_top, noise_key, verify_walk
 
 
@@ -52,11 +54,27 @@ class Proposal:
     """(checked, matched): committed tokens the draft scored while catching up this step, and how many
     its greedy prediction matched (greedy rows only): acceptance evidence from steps that did not
     speculate, which lets a policy notice when the draft starts agreeing again."""
+    lengths: list[int] | None = None
+    """Tokens each row really drafted (a `DraftPlan` stops rows early; the rest of its row of `tokens` is
+    padding the target never feeds); None: every row all k."""
+    conf: list[list[float]] | None = None
+    """Per row, the draft's confidence at each drafted position (its distribution's largest probability),
+    for the policy's online acceptance curve; None when the step had no plan."""
+    lookup: list[bool] | None = None
+    """Per row: its tokens were copied from its own context (prompt lookup beside the model draft)."""
 
     @classmethod
     def empty(cls, rows: int) -> "Proposal":
         """No drafts (k = 0): the target decodes one token per row (or prefills)."""
         return cls(torch.zeros((rows, 0), dtype=torch.long))
+
+    def row_lengths(self) -> list[int]:
+        """Tokens drafted per row."""
+        return list(self.lengths) if self.lengths is not None else [self.tokens.shape[1]] * self.tokens.shape[0]
+
+    def drafts(self) -> list[list[int]]:
+        """Each row's drafted tokens, without padding."""
+        return [d[:n] for d, n in zip(self.tokens.tolist(), self.row_lengths())]
 
 
 class Verdict(NamedTuple):
@@ -121,6 +139,8 @@ class ModelWorker:
         self.head = plain_head(model)
         self.flush_denormals = self.device.type == "cpu"
         self.tokenizer = None  # for structured outputs (grammar masks need the vocabulary's strings)
+        self.prompt_lookup = False
+        """A draft: rows may copy from their own context where that agrees better (`engine.lookup`)."""
 
     def take_timings(self) -> dict:
         """Device work since the last call (forwards; vocabulary-sized math beside them) and the bytes
@@ -156,6 +176,8 @@ class ModelWorker:
             cached.append(self.seqs[sid].kv_len)
             if self.feature_layers and cached[-1]:  # the draft needs these positions' features too
                 self.seqs[sid].extra["kept_features"] = cached[-1]
+            if self.prompt_lookup:
+                self.seqs[sid].extra["copy"] = CopyRecord(NgramIndex(LOOKUP_MIN_N, 4, prompt))
         bs = self.cache.block_size
         self.cache.ensure(sum(-(-(len(p) - c) // bs) + 1 for p, c in zip(prompts, cached)))
         return cached
@@ -205,29 +227,35 @@ class ModelWorker:
 
     # ---- draft side --------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, seq_ids: list[str], k: int) -> Proposal:
-        """k autoregressive draft forwards; the first also feeds (and scores) each sequence's pending tokens."""
+    def propose(self, seq_ids: list[str], k: int | DraftPlan) -> Proposal:
+        """k autoregressive draft forwards; the first also feeds (and scores) each sequence's pending tokens.
+        With a `DraftPlan`, each row drafts while its tokens are worth verifying (up to plan.k forwards); with
+        prompt lookup on, a row may copy from its own context instead (`Drafting`)."""
         seqs = self._rows(seq_ids)
         lens = [len(s.tokens) for s in seqs]
         fed = [s.tokens[s.kv_len :] for s in seqs]
-        tokens, probs, support, backlog = [], [], [], (0, 0)
+        drafting = Drafting(self, seqs, k, lens)
+        backlog = (0, 0)
         # After steps without speculation the draft has a backlog of committed tokens to feed; scoring
         # the last few (about 256 over the batch) costs little and shows how well it would have done.
         window = min(max(len(f) for f in fed), max(2, 256 // len(seqs)), 32)
-        draw = self._drawer(seqs)
-        for j in range(k):
-            logits = self._forward(seq_ids, fed, window if j == 0 else 1,
-                                   starts=[n + j - len(f) for n, f in zip(lens, fed)])
-            if j == 0:
+        forwards = [0] * len(seqs)  # per row: the forwards that fed it
+        j = 0
+        while drafting.more:
+            rows = drafting.rows
+            if j == 0:  # every row: each feeds its pending tokens
+                logits = self._forward(seq_ids, fed, window, starts=[n - len(f) for n, f in zip(lens, fed)])
                 backlog = self._timed(_backlog_agreement, seqs, fed, logits)
-            tok, q, ids = self._timed(draw, logits[:, -1], [n + j for n in lens])
-            tokens.append(tok)
-            probs.append(q)
-            support.append(ids)
-            fed = [[t] for t in tok.tolist()]
-        for s, n in zip(seqs, lens):
-            s.proposal_kv = n + k - 1 if k > 0 else -1
-        return _proposal(tokens, probs, support, len(seqs), backlog)
+            else:  # the rows the model still drafts for, each its last drafted token
+                logits = self._forward([seq_ids[b] for b in rows], [[tok[b]] for b in rows], 1,
+                                       starts=[lens[b] + j - 1 for b in rows])
+            for b in rows:
+                forwards[b] += 1
+            tok = drafting.position(logits[:, -1]).tolist()
+            j += 1
+        for s, n, f in zip(seqs, lens, forwards):  # the KV holds the pending tokens and what later forwards fed
+            s.proposal_kv = n + f - 1 if f else -1
+        return drafting.proposal(backlog)
 
     def commit(self, seq_ids: list[str], new_tokens: list[list[int]], features: list[torch.Tensor] | None = None) -> None:
         """Append each sequence's accepted drafts + target token; keep only KV that is still valid.
@@ -241,6 +269,7 @@ class ModelWorker:
                 s.proposal_kv = -1
             s.tokens.extend(new)
             settle_guide(s, new)
+            settle_copy(s, new)
             self.cache.trim(sid, s.kv_len)
             self.cache.commit(sid, s.tokens, s.kv_len)
 
@@ -255,18 +284,19 @@ class ModelWorker:
         """
         chunks = chunks or {}
         seqs, cseqs = self._rows(seq_ids), self._rows(list(chunks))
-        drafts = proposal.tokens.tolist()
+        drafts = proposal.drafts()  # a row drafted lengths[b] <= k tokens; the rest of its row is padding
         k = proposal.tokens.shape[1]
         lens = [len(s.tokens) for s in seqs]
         fed = [s.tokens[s.kv_len :] + d for s, d in zip(seqs, drafts)]
         cfed = [s.tokens[s.kv_len : s.kv_len + n] for s, n in zip(cseqs, chunks.values())]
         done = [b for b, (s, f) in enumerate(zip(cseqs, cfed)) if s.kv_len + len(f) == len(s.tokens)]
-        index, cindex = self._last(fed + cfed, k + 1)[: len(seqs)], self._last(fed + cfed, 1)[len(seqs):][done]
+        index = self._tail(fed, [len(d) + 1 for d in drafts], k + 1)  # decoding rows come first in the pack
+        cindex = self._last(fed + cfed, 1)[len(seqs):][done]
         out = self._forward(seq_ids + list(chunks), fed + cfed, torch.cat([index.flatten(), cindex.flatten()]),
                             hidden=self.head is not None)
         out, cout = out[: index.numel()].unflatten(0, index.shape), out[index.numel():][:, None]
         # logits [B, k+1, V] on demand: most rows stop at their first rejection
-        logits = LazyLogits(self.head, out, self._sync) if self.head is not None else out
+        logits = LazyLogits(self.head, out, self._sync, proposal.lengths) if self.head is not None else out
         clogits = LazyLogits(self.head, cout, self._sync) if self.head is not None else cout
         t0 = time.perf_counter()
         num_acc, next_tok = self._decide(seqs, lens, logits, proposal)
@@ -336,12 +366,14 @@ class ModelWorker:
             q_values, q_ids = proposal.probs.to(dev), proposal.support.to(dev)
         controls, process = Controls.of(seqs, dev), None
         if controls is not None:
-            drafts = proposal.tokens.tolist()
-            controls.set_masks(drafts)
+            drafts = proposal.drafts()
+            controls.set_masks(drafts, k)
             process = lambda x, rows, j: controls.apply(x, rows, j, drafts)  # noqa: E731
+        lengths = None if proposal.lengths is None else torch.tensor(proposal.lengths, device=dev)
         with denormals_flushed(self.flush_denormals):
             num_acc, next_tok = verify_walk(logits, proposal.tokens.to(dev), greedy, keys, seeded,
-                                            Warp.of([s.params for s in seqs], dev), q_values, q_ids, u, process)
+                                            Warp.of([s.params for s in seqs], dev), q_values, q_ids, u, process,
+                                            lengths)
         return num_acc.tolist(), next_tok.tolist()
 
     @torch.inference_mode()
@@ -426,6 +458,16 @@ class ModelWorker:
         return lookup(self, seq_ids)
 
     @staticmethod
+    def _tail(fed: list[list[int]], widths: list[int], keep: int) -> torch.Tensor:
+        """[B, keep] indices into a packed forward's tokens: row b's last widths[b] fed tokens first, then
+        its last one repeated (a row that drafted fewer tokens than the longest)."""
+        lens = torch.tensor([len(f) for f in fed], dtype=torch.long)
+        offsets = torch.cumsum(lens, 0) - lens
+        first = lens - torch.tensor(widths, dtype=torch.long)
+        col = torch.arange(keep)
+        return offsets[:, None] + torch.minimum(first[:, None] + col, lens[:, None] - 1)
+
+    @staticmethod
     def _last(fed: list[list[int]], keep: int) -> torch.Tensor:
         """[B, keep] indices into a packed forward's tokens: each row's last `keep` fed tokens (a row
         with fewer repeats its first one on the left, like left padding)."""
@@ -478,28 +520,44 @@ class ModelWorker:
         self.timings["sample_s"] += time.perf_counter() - t0
         return out
 
-    def _drawer(self, seqs: list[Sequence]):
-        """draw(logits [B, V], positions) -> (tokens [B], q values [B, N] | None, q ids [B, N] | None): the
-        next draft token per row for the token at positions[b] (`sampling.draft_choice`)."""
+    def _drawer(self, seqs: list[Sequence], conf: bool = False):
+        """draw(logits [A, V], positions [A], small=None, rows=None) -> (tokens [A], q values [A, N] | None,
+        q ids [A, N] | None, confidence [A] | None): the next draft token of each of `rows` (an [A] index into
+        seqs; None: all of them) for the token at positions[a] (`sampling.draft_choice`), and with `conf`
+        each row's confidence there (`confidence`; else None), from `small` when given: a draft's logits
+        over its own reduced vocabulary, the same distribution at a sixth of the work. The rows drawn
+        shrink from position to position (rows stop drafting), never grow."""
         dev = self.device
         greedy = torch.tensor([s.params.greedy for s in seqs], device=dev)
         controls = Controls.of(seqs, dev)
         if controls is not None:  # the request's controls on every proposal, as the target applies them
-            return self._controlled(seqs, controls, self._drawer_plain(seqs, greedy))
-        return self._drawer_plain(seqs, greedy)
+            return self._controlled(seqs, controls, self._drawer_plain(seqs, greedy, conf))
+        return self._drawer_plain(seqs, greedy, conf)
 
-    def _drawer_plain(self, seqs: list[Sequence], greedy: torch.Tensor):
+    def _drawer_plain(self, seqs: list[Sequence], greedy: torch.Tensor, conf: bool = False):
         dev = self.device
         if bool(greedy.all()):
-            return lambda logits, positions: (logits.max(dim=-1).indices.cpu(), None, None)
+            def draw_greedy(logits, positions, small=None, rows=None):
+                top = logits.max(dim=-1)
+                c = (confidence(small) if small is not None else confidence(logits, top.values)) if conf else None
+                return top.indices.cpu(), None, None, c
+
+            return draw_greedy
         w = Warp.of([s.params for s in seqs], dev)
 
-        def draw(logits, positions):
-            keys = torch.tensor([noise_key(s.params.seed, n) if _coupled(s) else -1 for s, n in zip(seqs, positions)],
+        def draw(logits, positions, small=None, rows=None):
+            sub = seqs if rows is None else [seqs[b] for b in rows.tolist()]
+            keys = torch.tensor([noise_key(s.params.seed, n) if _coupled(s) else -1 for s, n in zip(sub, positions)],
                                 dtype=torch.int32, device=dev)
-            u = torch.stack([torch.rand(1, generator=s.generator)[0] if _sampled(s) else torch.zeros(()) for s in seqs]).to(dev)
-            tok, q, ids = draft_choice(logits, greedy, keys, w, u, self.top_n)
-            return tok.cpu(), q.cpu(), ids.cpu()
+            u = torch.stack([torch.rand(1, generator=s.generator)[0] if _sampled(s) else torch.zeros(()) for s in sub]).to(dev)
+            # before draft_choice, which may warp logits' rows in place
+            c = confidence(small if small is not None else logits) if conf else None
+            if rows is None:
+                tok, q, ids = draft_choice(logits, greedy, keys, w, u, self.top_n)
+            else:
+                index = rows.to(dev)
+                tok, q, ids = draft_choice(logits, greedy[index], keys, w.rows(index), u, self.top_n)
+            return tok.cpu(), q.cpu(), ids.cpu(), c
 
         return draw
 
@@ -509,23 +567,30 @@ class ModelWorker:
         mask from the sequence's matcher (which then consumes the proposal, rolled back at commit) and
         the rest counting the proposals before it."""
         drawn: list[list[int]] = [[] for _ in seqs]
-        guided = [b for b, s in enumerate(seqs) if "guide" in s.extra]
         every = torch.arange(len(seqs))
+        calls = [0]
 
-        def controlled(logits, positions):
-            j = len(drawn[0])
-            logits = controls.apply(logits, every, j, drawn)  # a float32 copy when any row has controls
+        def controlled(logits, positions, small=None, rows=None):
+            j = calls[0]  # the position: the rows drawn now drew every one before it
+            calls[0] += 1
+            rows = every if rows is None else rows
+            batch = rows.tolist()
+            logits = controls.apply(logits, rows, j, drawn)  # a float32 copy when any row has controls
+            guided = [i for i, b in enumerate(batch) if "guide" in seqs[b].extra]
             if guided:
-                bits = torch.empty((len(guided), seqs[guided[0]].extra["guide"].words()), dtype=torch.int32)
-                for i, b in enumerate(guided):
-                    seqs[b].extra["guide"].mask_into(bits[i])
+                bits = torch.empty((len(guided), seqs[batch[guided[0]]].extra["guide"].words()), dtype=torch.int32)
+                for i, g in enumerate(guided):
+                    seqs[batch[g]].extra["guide"].mask_into(bits[i])
                 controls.apply_mask_rows(logits, bits, guided)
-            tok, q, ids = draw(logits, positions)
-            for b, t in enumerate(tok.tolist()):
+            tok, q, ids, c = draw(logits, positions, small, None if len(batch) == len(seqs) else rows)
+            for b, t in zip(batch, tok.tolist()):
                 drawn[b].append(t)
-            for b in guided:
-                seqs[b].extra["guide"].step_ahead(drawn[b][-1])
-            return tok, q, ids
+            for i in guided:
+                seqs[batch[i]].extra["guide"].step_ahead(drawn[batch[i]][-1])
+            if c is not None and guided and small is not None:  # a grammar's rows: how sure under its mask
+                for i, x in zip(guided, confidence(logits[guided])):
+                    c[i] = x
+            return tok, q, ids, c
 
         return controlled
 
@@ -547,14 +612,19 @@ def plain_head(model) -> torch.nn.Module | None:
 
 class LazyLogits:
     """The target's logits after each fed draft position, made when the acceptance walk asks: position 0
-    for every row, then positions 1..k in one matmul for the rows that accepted their first draft (at
-    most two passes over the output projection's weights, which at a 128k vocabulary are the largest
-    matrix of the model). Most rows of a large batch stop at their first rejection."""
+    for every row, then positions 1..lengths[b] in one matmul for the rows that accepted their first draft
+    (at most two passes over the output projection's weights, which at a 128k vocabulary are the largest
+    matrix of the model). Most rows of a large batch stop at their first rejection; a row that drafted
+    fewer tokens than the longest costs only its own positions."""
 
-    def __init__(self, head: torch.nn.Module, hidden: torch.Tensor, sync):  # hidden [B, k+1, H]
+    def __init__(self, head: torch.nn.Module, hidden: torch.Tensor, sync,  # hidden [B, k+1, H]
+                 lengths: list[int] | None = None):  # [B] tokens each row drafted (None: all k)
         self.head, self.hidden, self.sync = head, hidden, sync
-        self.rest: torch.Tensor | None = None  # [A1, k, V] for rows rest_rows
+        k = hidden.shape[1] - 1
+        self.lengths = torch.tensor(lengths if lengths is not None else [k] * hidden.shape[0], device=hidden.device)
+        self.rest: torch.Tensor | None = None  # [P, V]: positions 1.. of rows rest_rows, packed
         self.rest_rows: torch.Tensor | None = None
+        self.slot: torch.Tensor | None = None  # [A1, k]: row i's position j + 1 is rest[slot[i, j]]
         self.seconds = 0.0
 
     def __call__(self, rows: torch.Tensor, j: int) -> torch.Tensor:  # rows [A] ascending -> [A, V]
@@ -563,8 +633,15 @@ class LazyLogits:
             out = self._head(self.hidden[:, 0].index_select(0, rows))
         else:
             if self.rest is None:  # the walk only drops rows, so later positions ask for a subset of these
-                self.rest_rows, self.rest = rows, self._head(self.hidden.index_select(0, rows)[:, 1:])
-            out = self.rest[:, j - 1].index_select(0, torch.searchsorted(self.rest_rows, rows))
+                lengths = self.lengths.index_select(0, rows)  # [A1]
+                width = self.hidden.shape[1] - 1
+                r, c = (torch.arange(1, width + 1, device=rows.device)[None] <= lengths[:, None]).nonzero(as_tuple=True)
+                self.rest = self._head(self.hidden[rows[r], c + 1])
+                self.slot = torch.zeros((len(rows), width), dtype=torch.long, device=rows.device)
+                self.slot[r, c] = torch.arange(len(r), device=rows.device)
+                self.rest_rows = rows
+            at = self.slot[torch.searchsorted(self.rest_rows, rows), j - 1]
+            out = self.rest.index_select(0, at)
         self.sync()
         self.seconds += time.perf_counter() - t0
         return out
@@ -580,6 +657,15 @@ class LazyLogits:
         self.sync()
         self.seconds += time.perf_counter() - t0
         return out
+
+
+def confidence(logits: torch.Tensor, top: torch.Tensor | None = None) -> list[float]:  # logits [B, V]
+    """Each row's largest probability (of its raw, unwarped distribution): how sure the draft is at this
+    position. A function of the distribution only, never of the token drawn from it, so a policy may stop
+    drafting on it without biasing rejection sampling (`draftplan`)."""
+    if top is None:
+        top = logits.max(dim=-1).values
+    return (top.float() - torch.logsumexp(logits.float(), dim=-1)).exp().tolist()
 
 
 def _backlog_agreement(seqs: list[Sequence], fed: list[list[int]], logits: torch.Tensor) -> tuple[int, int]:
@@ -623,6 +709,125 @@ def _logprobs(seqs: list[Sequence], logits: torch.Tensor, drafts: list[list[int]
         n = seqs[b].params.logprobs
         out[b] = [(chosen[i][j], list(zip(ids[i][j][:n], vals[i][j][:n]))) for j in range(len(emitted[b]))]
     return out
+
+
+def settle_copy(s: Sequence, new: list[int]) -> None:
+    """A draft's prompt lookup: score its outstanding copy, index the newly committed tokens."""
+    if "copy" in s.extra:
+        s.extra["copy"].settle(new)
+
+
+class Drafting:
+    """One proposal of a model draft, position by position: the draws, a per-row plan's walk, and the rows that
+    copy from their own context instead (prompt lookup, chosen at the first position where the row's copy
+    record beats the model's confidence). The worker runs a forward over `rows` (at first every row), passes
+    its logits to `position`, and goes on while `more`, each forward over the rows the model still drafts
+    for (`rows` shrinks: rows that stopped or copy need no forward). `proposal()` finishes the copying rows,
+    which need no forward at all."""
+
+    def __init__(self, worker: "ModelWorker", seqs: list[Sequence], k: int | DraftPlan, lens: list[int]):
+        self.worker, self.seqs, self.lens = worker, seqs, lens
+        self.walk = PlanWalk(k) if isinstance(k, DraftPlan) else None
+        self.k = k.k if self.walk is not None else k
+        self.copyable = [b for b, s in enumerate(seqs) if "copy" in s.extra and not _steered(s)]
+        self.draw = worker._drawer(seqs, conf=self.walk is not None or bool(self.copyable))
+        self.copy: list[list[int] | None] = [None] * len(seqs)  # a copying row's tokens
+        self.copy_conf = [0.0] * len(seqs)
+        self.tokens, self.probs, self.support, self.confs = [], [], [], []
+        self.rows = list(range(len(seqs)))  # the rows of the next forward
+        self.more = self.k > 0
+
+    @property
+    def copying(self) -> list[bool]:
+        return [c is not None for c in self.copy]
+
+    def position(self, logits: torch.Tensor, small: torch.Tensor | None = None) -> torch.Tensor:
+        """Draw the next position of `rows` from the model's logits [A, V] (`small` [A, N]: over its own reduced
+        vocabulary); returns every row's token [B] (a row not drawn: its copy, or padding)."""
+        j, rows, n = len(self.tokens), self.rows, len(self.seqs)
+        index = None if len(rows) == n else torch.tensor(rows)
+        tok, q, ids, conf = self.worker._timed(self.draw, logits, [self.lens[b] + j for b in rows], small, index)
+        if index is not None:  # back to full rows: the rest are padding (or copies, below)
+            tok = torch.zeros(n, dtype=tok.dtype).index_copy_(0, index, tok)
+            if q is not None:
+                q = q.new_zeros((n, q.shape[1])).index_copy_(0, index, q)
+                ids = ids.new_zeros((n, ids.shape[1])).index_copy_(0, index, ids)
+            if conf is not None:
+                full = [0.0] * n
+                for b, c in zip(rows, conf):
+                    full[b] = c
+                conf = full
+        if j == 0 and self.copyable:
+            self._choose_copies(conf)
+        tok, q, ids, conf = self._copied(j, tok, q, ids, conf)
+        self._append(tok, q, ids, conf)
+        more = j + 1 < self.k
+        if self.walk is not None:
+            more = self.walk.position(j, conf, self.copying) and more
+        self.rows = [b for b in rows if self.copy[b] is None and (self.walk is None or self.walk.active[b])]
+        self.more = more and bool(self.rows)
+        return tok
+
+    def _choose_copies(self, conf: list[float]) -> None:
+        plan = self.walk.plan if self.walk is not None else None
+        for b in self.copyable:
+            rec = self.seqs[b].extra["copy"]
+            toks, n = rec.index.match(self.k)
+            if n < LOOKUP_MIN_N:
+                continue
+            e = rec.estimate(n)
+            model, copy = (conf[b], e) if plan is None else (plan.estimate(b, conf[b]), plan.estimate(b, e, True))
+            if copy > model:
+                self.copy[b], self.copy_conf[b] = toks, e
+
+    def _copied(self, j: int, tok, q, ids, conf):
+        """The draws with the copying rows' tokens put in (a one-hot q for a sampled row)."""
+        rows = [b for b, c in enumerate(self.copy) if c is not None]
+        if not rows:
+            return tok, q, ids, conf
+        tok = tok.clone()
+        tok[rows] = torch.tensor([self.copy[b][j] for b in rows])
+        if q is not None:
+            q, ids = q.clone(), ids.clone()
+            q[rows] = 0.0
+            ids[rows] = 0
+            q[rows, 0] = torch.tensor([0.0 if self.seqs[b].params.greedy else 1.0 for b in rows])
+            ids[rows, 0] = tok[rows].to(ids.dtype)
+        if conf is not None:
+            conf = list(conf)
+            for b in rows:
+                conf[b] = self.copy_conf[b]
+        return tok, q, ids, conf
+
+    def _append(self, tok, q, ids, conf) -> None:
+        self.tokens.append(tok)
+        self.probs.append(q)
+        self.support.append(ids)
+        self.confs.append(conf)
+
+    def proposal(self, backlog: tuple[int, int]) -> "Proposal":
+        """The proposal: after the model's forwards, copying rows go on to their own length (no forward)."""
+        if any(self.copying) and self.tokens:
+            if self.walk is not None:
+                for b, c in enumerate(self.copy):
+                    self.walk.active[b] &= c is not None
+            while len(self.tokens) < self.k and (self.walk is None or any(self.walk.active)):
+                j = len(self.tokens)
+                self._append(*self._copied(j, self.tokens[-1], self.probs[-1], self.support[-1], self.confs[-1]))
+                if self.walk is not None:
+                    self.walk.position(j, self.confs[-1], self.copying)
+        out = _proposal(self.tokens, self.probs, self.support, len(self.seqs), backlog, self.walk, self.confs,
+                        self.copying if any(self.copying) else None)
+        lengths = out.row_lengths()
+        for b, c in enumerate(self.copy):
+            if c is not None:
+                self.seqs[b].extra["copy"].copied = lengths[b]
+        return out
+
+
+def _steered(s: Sequence) -> bool:
+    """A request with controls (grammar, penalties, bans, bias): its draft positions follow them, a copy would not."""
+    return "guide" in s.extra or has_controls(s.params)
 
 
 def settle_guide(s: Sequence, new: list[int]) -> None:
@@ -685,13 +890,22 @@ def new_timings() -> dict:
     return {"forward_s": 0.0, "sample_s": 0.0, "direct_bytes": 0}
 
 
-def _proposal(tokens: list, probs: list, support: list, rows: int, backlog: tuple[int, int]) -> Proposal:
-    """A Proposal from per-position draws: tokens [B] each, and q [B, N] each when any row samples."""
-    if not tokens:
+def _proposal(tokens: list, probs: list, support: list, rows: int, backlog: tuple[int, int],
+              walk: PlanWalk | None = None, confs: list[list[float]] | None = None,
+              lookup: list[bool] | None = None) -> Proposal:
+    """A Proposal from per-position draws: tokens [B] each, and q [B, N] each when any row samples; with a
+    plan's walk, the lengths it kept and each row's confidence at its drafted positions."""
+    if not tokens or (walk is not None and not any(walk.lengths)):
         return Proposal.empty(rows)
     if probs[0] is None:
-        return Proposal(torch.stack(tokens, 1), backlog=backlog)
-    return Proposal(torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(support, 1), backlog)
+        out = Proposal(torch.stack(tokens, 1), backlog=backlog)
+    else:
+        out = Proposal(torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(support, 1), backlog)
+    if walk is not None:
+        out.lengths = list(walk.lengths)
+        out.conf = [[c[b] for c in confs[:n]] for b, n in enumerate(walk.lengths)]
+    out.lookup = lookup
+    return out
 
 
 def _role_seed(seed: int | None, role: str) -> int:

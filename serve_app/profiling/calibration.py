@@ -22,6 +22,7 @@ import math
 from collections import deque
 from statistics import median
 
+from serve_app.engine.policy import PROFILE_POLICIES
 from serve_app.engine.stats import StepStats
 from serve_app.profiling.profiles import LatencyGrid, _between, best_k_table
 
@@ -58,11 +59,18 @@ class Calibration:
         if st.prefill_tokens:
             return self._chunk(st, j, (i0, i1, w), group)
         took = False
+        # a per-row plan drafts st.k forwards but verifies fewer tokens: its verification and the rest are
+        # priced at the mean drafted length, between the grid's k columns
+        k_rows = st.proposed / st.batch_size if st.rows is not None else st.k
         for part, seconds in zip(PARTS, (st.draft_s, st.verify_s, st.other_s)):
             rows = getattr(self.base, f"{part}_ms")
-            predicted = rows[i0][j] + w * (rows[i1][j] - rows[i0][j])
+            kk = st.k if part == "draft" else k_rows
+            j0, j1, wk = _between(self.base.ks, kk) if kk > 0 else (0, 0, 0.0)
+            cell = [r[j0] + wk * (r[j1] - r[j0]) for r in (rows[i0], rows[i1])]
+            predicted = cell[0] + w * (cell[1] - cell[0])
             if predicted > 0.05 and seconds > 0:  # a part the grid prices at ~0 says nothing
-                self.samples[(part, group)].append((j, math.log(seconds * 1000 / predicted)))
+                jj = j0 if wk < 0.5 else j1
+                self.samples[(part, group)].append((jj, math.log(seconds * 1000 / predicted)))
                 took = True
         self.used += took
         return took
@@ -177,7 +185,9 @@ class Calibrated:
 
     def refresh(self) -> None:
         grid = self.calibration.grid()
-        if hasattr(self.inner, "grid"):  # adaptive: goodput from the calibrated latencies
+        if hasattr(self.inner, "refresh"):  # budget: prices from the calibrated latencies
+            self.inner.refresh(grid)
+        elif hasattr(self.inner, "grid"):  # adaptive: goodput from the calibrated latencies
             self.inner.grid = grid
             self.inner._step_ms.clear()
         elif self.profile.acceptance:  # lut: the paper's table, from the calibrated grid
@@ -192,7 +202,7 @@ class Calibrated:
 
 def calibrated(policy, profile):
     """`policy`, calibrating online when it steers by a profile with a latency grid (lut, adaptive)."""
-    if policy.name in ("lut", "adaptive") and profile is not None and profile.latency is not None:
+    if policy.name in PROFILE_POLICIES and profile is not None and profile.latency is not None:
         return Calibrated(policy, profile)
     return policy
 

@@ -145,6 +145,12 @@ class LatencyGrid(BaseModel):
         i0, i1, w = _between(self.batch_sizes, batch_size)
         return [max(x0 + w * (x1 - x0), 1e-3) for x0, x1 in zip(rows[i0], rows[i1])]
 
+    def parts_at(self, batch_size: int) -> tuple[list[float], list[float], list[float]]:
+        """(draft, verify, other) milliseconds per k at any batch size, interpolated like `step_ms`."""
+        i0, i1, w = _between(self.batch_sizes, batch_size)
+        return tuple([max(x0 + w * (x1 - x0), 0.0) for x0, x1 in zip(rows[i0], rows[i1])]
+                     for rows in (self.draft_ms, self.verify_ms, self.other_ms))
+
     def resume_at(self, batch_size: int) -> float:
         """Extra milliseconds of a step that resumes speculation after k = 0 (0 when not measured)."""
         return _interpolate(self.batch_sizes, self.resume_ms, batch_size) if self.resume_ms else 0.0

@@ -1,0 +1,226 @@
+"""The `budget` policy: speculation length per row, under prices the hardware's profile sets per step.
+
+The paper's k is one number per step, from the batch size. But the rows of one batch differ: a JSON answer or
+a rewrite that copies its prompt drafts far better than open prose, and within one answer the draft is sure
+of some tokens and guessing at others. `Budget` prices speculation per step from the (calibrated) latency
+grid at this batch size (`Prices`: what one more drafted token costs to verify, what one more draft forward
+costs, the fixed cost of speculating at all) and the step's worth (tokens per ms at the best uniform k,
+with the live acceptance). The draft then gives each row tokens while they are worth their verification
+(`draftplan.PlanWalk`): row by row, position by position, from the draft's own confidence, mapped to an
+acceptance chance by a curve learned online from what the target accepted (`ConfidenceCurve`, one for the
+model draft, one for tokens copied by prompt lookup), and corrected by each request's own record
+(`RequestRecord.scale`). A row whose drafts keep failing drafts nothing; a step where nothing is worth the
+fixed cost speculates not at all (probing now and then, as `adaptive` does).
+
+Greedy stays identical and sampling exact whatever lengths result (the walk decides on the draft's
+distribution, never on the token it drew); only a few numbers per row go to the draft's actor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from serve_app.engine.draftplan import CURVE_BINS, DraftPlan
+from serve_app.engine.stats import StepStats
+from serve_app.profiling.profiles import LatencyGrid, expected_tokens
+
+
+@dataclass(frozen=True)
+class Prices:
+    """What speculation costs at one batch size, in milliseconds (lines through the grid's k >= 1 cells)."""
+
+    base_ms: float
+    """A step at k = 0."""
+    on_ms: float
+    """Fixed extra of a step that speculates at all, beyond its draft forwards and its drafted tokens."""
+    forward_ms: float
+    """One more draft forward over the whole batch."""
+    token_ms: float
+    """Verifying one more drafted token."""
+    forward_fixed_ms: float = 0.0
+    """A draft forward's part that does not grow with its rows (a forward over fewer rows: the rows that
+    still draft): forward over n rows = forward_fixed_ms + n x forward_row_ms."""
+    forward_row_ms: float = 0.0
+    """A draft forward's part per row in it."""
+
+    def step_ms(self, batch_size: int, k: int) -> float:
+        """A step where every row drafts k tokens."""
+        return self.base_ms + (self.on_ms + k * (self.forward_ms + batch_size * self.token_ms) if k else 0.0)
+
+
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else 0.0
+    return my - slope * mx, slope
+
+
+def _forward_line(grid: LatencyGrid) -> tuple[float, float]:
+    """(fixed, per row) milliseconds of one draft forward: a line through each profiled batch size's forward
+    price (the draft part's slope against k) against the batch size."""
+    js = [j for j, k in enumerate(grid.ks) if k >= 1]
+    if len(js) < 2:
+        return 0.0, 0.0
+    ks = [float(grid.ks[j]) for j in js]
+    per_batch = [max(_line(ks, [row[j] for j in js])[1], 0.0) for row in grid.draft_ms]
+    if len(grid.batch_sizes) < 2:
+        return per_batch[0], 0.0
+    fixed, per_row = _line([float(b) for b in grid.batch_sizes], per_batch)
+    per_row = max(per_row, 0.0)
+    return max(fixed, 0.0), per_row
+
+
+def prices(grid: LatencyGrid, batch_size: int) -> Prices:
+    """The grid's prices at a batch size: the draft part grows with the forwards (k), the verification with
+    the tokens (batch x k); lines through k >= 1 smooth the cells' noise; k = 0 is the base. A forward over
+    fewer rows is priced by the line of forward prices against batch size (`_forward_line`)."""
+    draft, verify, other = grid.parts_at(batch_size)
+    js = [j for j, k in enumerate(grid.ks) if k >= 1]
+    base = draft[0] + verify[0] + other[0]
+    if len(js) < 2:  # a grid with one k > 0: all of its extra is fixed
+        j = js[0] if js else 0
+        return Prices(base, max(draft[j] + verify[j] + other[j] - base, 0.0), 0.0, 0.0)
+    ks = [float(grid.ks[j]) for j in js]
+    d0, forward = _line(ks, [draft[j] for j in js])
+    v0, per_k = _line(ks, [verify[j] for j in js])
+    forward, token = max(forward, 0.0), max(per_k, 0.0) / batch_size
+    rest = sum(other[j] for j in js) / len(js)
+    on = max(d0 + v0 + rest - base, 0.0)
+    fixed, per_row = _forward_line(grid)
+    return Prices(base, on, forward, token, fixed, per_row)
+
+
+class ConfidenceCurve:
+    """Acceptance chance per draft-confidence bin, from the verified positions (a drafted token whose earlier
+    tokens were all accepted, so the target judged it). Starts at the bin's own confidence, worth `prior`
+    outcomes; older outcomes fade by half every `half_life` new ones in the bin."""
+
+    def __init__(self, prior: float = 8.0, half_life: float = 512.0, start: list[float] | None = None):
+        start = start or [(i + 0.5) / CURVE_BINS for i in range(CURVE_BINS)]
+        self.hits = [prior * p for p in start]
+        self.trials = [prior] * CURVE_BINS
+        self.decay = 0.5 ** (1.0 / half_life)
+
+    @staticmethod
+    def bin(conf: float) -> int:
+        return min(max(int(conf * CURVE_BINS), 0), CURVE_BINS - 1)
+
+    def __call__(self, conf: float) -> float:
+        i = self.bin(conf)
+        return self.hits[i] / self.trials[i]
+
+    def add(self, conf: float, accepted: bool) -> None:
+        i = self.bin(conf)
+        self.hits[i] = self.hits[i] * self.decay + accepted
+        self.trials[i] = self.trials[i] * self.decay + 1.0
+
+    def values(self) -> list[float]:
+        return [h / t for h, t in zip(self.hits, self.trials)]
+
+
+@dataclass
+class RequestRecord:
+    """One request's drafts so far: how they fared against what the curve predicted."""
+
+    predicted: float = 0.0
+    """Sum of the curve's estimates over its verified positions."""
+    accepted: float = 0.0
+    """Of those positions, how many were accepted."""
+
+    PRIOR = 4.0  # positions of evidence before a request's own record moves its scale much
+
+    @property
+    def scale(self) -> float:
+        """Its drafts' acceptance against the curve's (shrunk to 1 while it has little evidence)."""
+        return min(max((self.accepted + self.PRIOR) / (self.predicted + self.PRIOR), 0.25), 2.0)
+
+
+class Budget:
+    """Per-row speculation under the profile's per-step prices (module docstring)."""
+
+    name = "budget"
+
+    def __init__(self, grid: LatencyGrid, acceptance_rate: float, probe_every: int = 16):
+        self.grid, self.probe_every = grid, probe_every
+        self.a, self.a_trials = acceptance_rate * 128.0, 128.0  # per-token acceptance (the step's worth)
+        self.curve = ConfidenceCurve()
+        # a copied token's confidence is its matched suffix's length: the prior is the bin's own value too
+        self.lookup_curve = ConfidenceCurve()
+        self.requests: dict[str, RequestRecord] = {}
+        self._prices: dict[int, Prices] = {}
+        self._steps = 0
+
+    @property
+    def acceptance_estimate(self) -> float:
+        return self.a / self.a_trials
+
+    def prices(self, batch_size: int) -> Prices:
+        p = self._prices.get(batch_size)
+        if p is None:
+            p = self._prices[batch_size] = prices(self.grid, batch_size)
+        return p
+
+    def rate(self, batch_size: int) -> float:
+        """Tokens per ms a step at this batch size is worth: the best uniform k with the live acceptance."""
+        p, a = self.prices(batch_size), self.acceptance_estimate
+        return max(batch_size * expected_tokens(a, k) / p.step_ms(batch_size, k) for k in self.grid.ks)
+
+    def choose(self, state) -> int | DraftPlan:
+        if not state.has_draft or state.max_k <= 0:
+            return 0
+        b = state.batch_size
+        ids = state.rows or tuple(f"#{i}" for i in range(b))
+        self.requests = {rid: self.requests.get(rid) or RequestRecord() for rid in ids}
+        recs = [self.requests[rid] for rid in ids]
+        p = self.prices(b)
+        rate = self.rate(b)
+        token_value = rate * p.token_ms
+        # every probe_every-th step every row drafts at least one token, whatever the prices say: the curve
+        # and the requests' records keep learning where they would otherwise never draft
+        self._steps += 1
+        probe = bool(self.probe_every) and self._steps % self.probe_every == 0
+        if not probe and not self.worth_it(b, state.max_k, [r.scale for r in recs], rate, p):
+            return 0
+        return DraftPlan(caps=[state.max_k] * b, token_value=token_value, forward_value=rate * p.forward_fixed_ms,
+                         row_value=rate * p.forward_row_ms,
+                         scale=[r.scale for r in recs], curve=self.curve.values(), explore=probe,
+                         lookup_curve=self.lookup_curve.values())
+
+    def worth_it(self, b: int, max_k: int, scales: list[float], rate: float, p: Prices) -> bool:
+        """Whether speculating at all pays this step: for some depth d, the rows' expected accepted tokens
+        (per-token acceptance a x the row's scale, geometric) beat the price of d forwards, their tokens and
+        the fixed cost. The walk then trims each row to what its draft's confidence is worth."""
+        a = self.acceptance_estimate
+        per_row = [min(a * s, 0.95) for s in scales]
+        for d in range(1, max_k + 1):
+            gain = sum(expected_tokens(x, d) - 1.0 for x in per_row)
+            if gain > rate * (p.on_ms + d * (p.forward_ms + b * p.token_ms)):
+                return True
+        return False
+
+    def observe(self, stats: StepStats) -> None:
+        rows = stats.rows
+        if rows is None:
+            return
+        conf = rows.conf or [[] for _ in rows.ids]
+        lookup = rows.lookup or [False] * len(rows.ids)
+        for rid, n, acc, cs, copied in zip(rows.ids, rows.drafted, rows.accepted, conf, lookup):
+            if not n:
+                continue
+            rec = self.requests.get(rid)
+            curve = self.lookup_curve if copied else self.curve
+            for j in range(min(acc + 1, n, len(cs))):  # the positions the target judged
+                ok = j < acc
+                if rec is not None:
+                    rec.predicted += curve(cs[j])
+                    rec.accepted += ok
+                curve.add(cs[j], ok)
+            decay = 0.5 ** ((acc + (acc < n)) / 128.0)
+            self.a = self.a * decay + acc
+            self.a_trials = self.a_trials * decay + acc + (acc < n)
+
+    def refresh(self, grid: LatencyGrid) -> None:
+        """A calibrated grid (`calibration.Calibrated`): new prices."""
+        self.grid = grid
+        self._prices.clear()
