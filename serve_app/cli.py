@@ -196,7 +196,10 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--concurrency", default="1,2,4,8,16,32", help="(a) closed-loop concurrencies")
     bp.add_argument("--max-k", type=int, default=8, help="fixed:1 .. fixed:K are compared")
     bp.add_argument("--scale", type=float, default=1.0, help="scales request counts and the schedule's length")
-    bp.add_argument("--parts", default="abc", help="which experiments: a uniform, b time-varying, c workload shift")
+    bp.add_argument("--parts", default="abc", help="which experiments: a uniform, b time-varying, c workload shift, "
+                    "d bursts of mixed requests (chat, JSON, rewrites)")
+    bp.add_argument("--policies", default=None, help="comma-separated policies (default none, fixed:1..K, lut, adaptive, "
+                    "budget); ratios need at least one fixed:K")
     bp.add_argument("--repeat", type=int, default=1, help="rounds of every experiment (policies interleaved); medians")
     bp.add_argument("--seed", type=int, default=0)
     bp.set_defaults(func=_cmd_bench_policies)
@@ -1011,17 +1014,25 @@ def find_profile(path: str | None, mc: ModelConfig):
 
 def _cmd_bench_policies(args) -> int:
     from serve_app.bench.policies import bench_policies
+    from serve_app.engine.policy import make_policy, needs_profile
     from serve_app.bench.rounds import default_stem
     from serve_app.models import load_models
 
     cs = sorted(set(int_list(args.concurrency, "--concurrency")))
-    if (not cs or cs[0] < 1 or not 1 <= args.max_k <= 8 or args.scale <= 0 or not set(args.parts) <= set("abc")
+    if (not cs or cs[0] < 1 or not 1 <= args.max_k <= 8 or args.scale <= 0 or not set(args.parts) <= set("abcd")
             or args.repeat < 1):
-        raise UsageError("need concurrencies >= 1, 1 <= --max-k <= 8, --scale > 0, --repeat >= 1 and --parts from a, b, c")
+        raise UsageError("need concurrencies >= 1, 1 <= --max-k <= 8, --scale > 0, --repeat >= 1 and --parts from a, b, c, d")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
+    for p in policies or []:
+        if not needs_profile(p):
+            make_policy(p)  # unknown specs fail before any model loads
+    if policies is not None and not any(p.startswith("fixed:") for p in policies):
+        raise UsageError("--policies needs at least one fixed:K (every ratio is against the best fixed k)")
     mc = _bench_model(args)
     profile = find_profile(args.profile, mc)
     out = args.out or str(default_stem("bench-policies"))
-    bench_policies(load_models(mc), profile, out, cs, args.max_k, args.scale, args.seed, args.parts, args.repeat)
+    bench_policies(load_models(mc), profile, out, cs, args.max_k, args.scale, args.seed, args.parts, args.repeat,
+                   policies)
     print(open(os.path.join(out, "summary.md")).read())
     return 0
 

@@ -144,22 +144,31 @@ def test_profile_errors_exit_2(tmp_path, tiny_model_dirs, tiny_profile, capsys):
     assert "needs a draft" in capsys.readouterr().err
 
 
-def test_bench_policies_runs_every_experiment(tmp_path, tiny_model_dirs, tiny_profile):
-    """A small run of (a), (b) and (c) on tiny models: every policy, the markdown and the plots."""
+def test_bench_policies_runs_every_experiment(tmp_path, tiny_model_dirs, tiny_profile, monkeypatch):
+    """A small run of (a), (b), (c) and (d) on tiny models: every policy, the regret tables, the markdown and the
+    plots."""
     from serve_app.bench import policies as bp
     from serve_app.config import ModelConfig
     from serve_app.models import load_models
     from serve_app.profiling.profiles import load_profile
 
     models = load_models(ModelConfig(target=tiny_model_dirs["target"], draft=tiny_model_dirs["draft"]))
-    res = bp.bench_policies(models, load_profile(tiny_profile), str(tmp_path / "r"), [1, 2], max_k=2, scale=0.05)
-    policies = ["none", "fixed:1", "fixed:2", "lut", "adaptive"]
+    # the tiny WordPiece tokenizer has no grammar support: (d) without its JSON requests here (the schedule's
+    # JSON requests are checked on the embedded tokenizer in test_mixed_schedule_...)
+    monkeypatch.setattr(bp, "MIXED_KINDS", (("chat", 0.5), ("rewrite", 0.5)))
+    res = bp.bench_policies(models, load_profile(tiny_profile), str(tmp_path / "r"), [1, 2], max_k=2, scale=0.05,
+                             parts="abcd")
+    policies = ["none", "fixed:1", "fixed:2", "lut", "adaptive", "budget"]
     assert set(res["uniform"][2]) == set(policies) and set(res["varying"]["policies"]) == set(policies)
-    assert res["varying"]["requests"] > 0 and set(res["shift"][4]) == {"none", "lut", "adaptive"}
+    assert res["varying"]["requests"] > 0 and set(res["shift"][4]) == {"none", "lut", "adaptive", "budget"}
+    mixed = res["mixed"]
+    assert set(mixed["policies"]) == set(policies) and sum(mixed["kinds"].values()) == mixed["requests"] > 0
+    assert set(mixed["regret"]) == {"lut", "adaptive", "budget"} and all(mixed["regret"].values())
     assert res["uniform"][1]["none"]["mean_k"] == 0 and res["uniform"][1]["fixed:2"]["mean_k"] == 2
     summary = (tmp_path / "r" / "summary.md").read_text()
     assert "(a) Uniform load" in summary and "(b) Time-varying" in summary and "(c) Workload shift" in summary
-    for name in ("uniform.png", "varying.png", "shift.png"):
+    assert "(d) " in summary and "best fixed k there" in summary  # the regret table
+    for name in ("uniform.png", "varying.png", "shift.png", "mixed.png"):
         assert (tmp_path / "r" / name).stat().st_size > 10_000
     again = bp.bench_policies(models, load_profile(tiny_profile), str(tmp_path / "r2"), [1], max_k=2, scale=0.05,
                               parts="ac", repeat=2)  # rounds: medians and spreads
@@ -181,14 +190,31 @@ def test_time_varying_schedule_swings_and_is_seeded(tiny_model_dirs):
     assert max(low) < min(high)  # the load really swings
 
 
+def test_mixed_schedule_swings_mixes_kinds_and_is_seeded():
+    """(d): bursts that fill the batch between single requests, chat / JSON (with its schema) / rewrites."""
+    from serve_app.bench import policies as bp
+    from serve_app.models import load_tokenizer
+
+    tok = load_tokenizer("embedded")  # the embedded model's tokenizer (no network)
+    jobs, phases = bp.mixed_jobs(tok, random.Random(1), 1.0)
+    again, _ = bp.mixed_jobs(tok, random.Random(1), 1.0)
+    assert [(j.at, j.kind, j.prompt) for j in jobs] == [(j.at, j.kind, j.prompt) for j in again]
+    assert {j.kind for j in jobs} == {"chat", "json", "rewrite"}
+    assert all((j.structured is not None) == (j.kind == "json") for j in jobs)
+    burst = max(sum(a <= j.at < b for j in jobs) for a, b, _ in phases)
+    assert burst >= 20 and min(sum(a <= j.at < b for j in jobs) for a, b, _ in phases) <= 8
+
+
 def test_bench_acceptance_tells_a_perfect_draft_from_a_random_one(tiny_model_dirs, capsys, tmp_path):
     from serve_app.bench.acceptance import bench_acceptance
     from serve_app.config import ModelConfig
 
     target = tiny_model_dirs["target"]
-    same, _ = bench_acceptance(ModelConfig(target=target, draft=target), k=3, max_tokens=12, batch=4)
-    other, md = bench_acceptance(ModelConfig(target=target, draft=tiny_model_dirs["draft"]), k=3, max_tokens=12, batch=4)
-    assert list(same["sets"]) == ["benchmark", "creative", "structured"]
+    # the drafts alone (prompt lookup copies, which the target may reject, are measured with the policies)
+    same, _ = bench_acceptance(ModelConfig(target=target, draft=target, prompt_lookup=False), k=3, max_tokens=12, batch=4)
+    other, md = bench_acceptance(ModelConfig(target=target, draft=tiny_model_dirs["draft"], prompt_lookup=False), k=3,
+                                 max_tokens=12, batch=4)
+    assert list(same["sets"]) == ["benchmark", "creative", "structured", "rewrite"]
     for name, s in same["sets"].items():
         o = other["sets"][name]
         assert s["acceptance"] > 0.95 and 3.0 < s["tokens_per_step"] <= 4.0  # the target as its own draft

@@ -31,9 +31,10 @@ from serve_app.models import LoadedModels
 from serve_app.engine.policy import BatchState, make_policy
 from serve_app.profiling.calibration import calibrated
 from serve_app.profiling.profiles import Profile
-from serve_app.bench.prompt_sets import BENCH_PROMPTS, CREATIVE_PROMPTS, STRUCTURED_PROMPTS, chat_prompts
+from serve_app.bench.prompt_sets import BENCH_PROMPTS, CREATIVE_PROMPTS, REWRITE_PROMPTS, STRUCTURED_PROMPTS, chat_prompts
 from serve_app.engine.scheduler import Engine
 from serve_app.engine.stats import StepStats
+from serve_app.bench import regret
 from serve_app.bench.rounds import provenance
 
 LATENCY_PROMPTS = BENCH_PROMPTS + CREATIVE_PROMPTS
@@ -45,6 +46,13 @@ class Job:
     max_tokens: int
     at: float = 0.0
     """Arrival time in seconds from the start (open loop)."""
+    kind: str = "chat"
+    """What the request is (d: chat, json, rewrite), for per-kind figures."""
+    structured: dict | None = None
+    """A JSON schema the answer must follow (`SamplingParams.structured`), or None."""
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(max_tokens=self.max_tokens, structured=self.structured)
 
 
 @dataclass
@@ -65,6 +73,8 @@ class Result:
     """(proposed, accepted) of every request, in job order."""
     outputs: list[int] = field(default_factory=list)
     """Tokens generated for every request, in job order."""
+    stats: list[StepStats] = field(default_factory=list)
+    """Every step's StepStats (when the run collected them: the regret report reads them)."""
 
     @property
     def mean_latency(self) -> float:
@@ -110,8 +120,8 @@ def _run(models: LoadedModels, profile: Profile | None, policy: str, jobs: list[
         if steps is not None:
             steps.append(st)
         res.step_s += st.draft_s + st.verify_s + st.other_s
-        if st.batch_size:
-            res.steps.append((time.perf_counter() - t0, st.batch_size, st.k))
+        if st.batch_size:  # k: drafted tokens per row (a per-row plan's differ by row)
+            res.steps.append((time.perf_counter() - t0, st.batch_size, st.proposed / st.batch_size))
             res.proposed += st.proposed
             res.accepted += st.accepted
 
@@ -120,7 +130,7 @@ def _run(models: LoadedModels, profile: Profile | None, policy: str, jobs: list[
     while i < len(jobs) or engine.has_work():
         now = time.perf_counter() - t0
         while i < len(jobs) and (not open_loop or jobs[i].at <= now):
-            req = engine.submit(jobs[i].prompt, SamplingParams(max_tokens=jobs[i].max_tokens))
+            req = engine.submit(jobs[i].prompt, jobs[i].params())
             if open_loop:
                 req.arrival = t0 + jobs[i].at  # latency counts from the scheduled arrival
             reqs.append(req)
@@ -139,6 +149,7 @@ def _run(models: LoadedModels, profile: Profile | None, policy: str, jobs: list[
     res.per_request = [(r.stats.proposed, r.stats.accepted) for r in reqs]
     res.outputs = [r.stats.generated_tokens for r in reqs]
     res.choose_s = timed.seconds
+    res.stats = steps if steps is not None else []
     return res
 
 
@@ -168,6 +179,47 @@ def varying_jobs(tokenizer, rng: random.Random, scale: float) -> tuple[list[Job]
     return jobs, phases
 
 
+MIXED_PHASES = [(0.4, 12), (24.0, 1.5), (0.4, 10), (12.0, 2.5), (0.3, 10), (30.0, 1.2), (0.5, 8), (8.0, 3)]
+"""(d)'s arrival rate (requests/s) and length (s) per phase: single requests, then bursts that fill the batch."""
+
+MIXED_KINDS = (("chat", 0.4), ("json", 0.3), ("rewrite", 0.3))
+"""(d)'s request kinds and their shares."""
+
+
+def mixed_jobs(tokenizer, rng: random.Random, scale: float) -> tuple[list[Job], list[tuple[float, float, float]]]:
+    """(d) the paper's setting with requests that differ: Poisson arrivals swinging between single requests
+    and bursts that fill the batch (1 to 32), a mix of everyday chat (`LATENCY_PROMPTS`), JSON answers
+    constrained by a schema (`bench.structured`'s suite) and rewrites that copy most of their prompt
+    (`REWRITE_PROMPTS`). Returns the jobs and the phases (start s, end s, requests/s)."""
+    from serve_app.bench.structured import suite
+
+    schemas = suite(50)
+    phases, t = [], 0.0
+    for rate, length in MIXED_PHASES:
+        phases.append((t, t + length * scale, rate))
+        t += length * scale
+    kinds, weights = zip(*MIXED_KINDS)
+    jobs = []
+    for start, end, rate in phases:
+        at = start + rng.expovariate(rate)
+        while at < end:
+            kind = rng.choices(kinds, weights)[0]
+            if kind == "json":
+                case = schemas[rng.randrange(len(schemas))]
+                prompt = chat_prompts(tokenizer, [case["messages"][0]["content"]])[0]
+                jobs.append(Job(prompt, 96, at, kind, {"json_schema": case["schema"]}))
+            elif kind == "rewrite":
+                text = REWRITE_PROMPTS[rng.randrange(len(REWRITE_PROMPTS))]
+                jobs.append(Job(chat_prompts(tokenizer, [text])[0], 160, at, kind))
+            else:
+                text = LATENCY_PROMPTS[rng.randrange(len(LATENCY_PROMPTS))]
+                jobs.append(Job(chat_prompts(tokenizer, [text])[0], rng.randint(16, 64), at, kind))
+            at += rng.expovariate(rate)
+    if not jobs:
+        raise ValueError("the arrival schedule drew no requests at this --scale: raise it")
+    return jobs, phases
+
+
 def shift_jobs(tokenizer, per_phase: int) -> list[Job]:
     """Creative prompts, then structured ones: the draft's agreement shifts mid-run."""
     out = []
@@ -177,27 +229,38 @@ def shift_jobs(tokenizer, per_phase: int) -> list[Job]:
     return out
 
 
+ADAPTIVE_POLICIES = ["lut", "adaptive", "budget"]
+"""The policies that choose k from the profile (and what they observe), against none and every fixed k."""
+
+
+def all_policies(max_k: int) -> list[str]:
+    return ["none"] + [f"fixed:{k}" for k in range(1, max_k + 1)] + ADAPTIVE_POLICIES
+
+
 def bench_policies(models: LoadedModels, profile: Profile, out_dir: str, concurrencies: list[int], max_k: int = 8,
-                   scale: float = 1.0, seed: int = 0, parts: str = "abc", repeat: int = 1) -> dict:
+                   scale: float = 1.0, seed: int = 0, parts: str = "abc", repeat: int = 1,
+                   policies: list[str] | None = None) -> dict:
     """Run the experiments in `parts`, write results.json, summary.md and PNG plots into out_dir.
 
     With repeat > 1 every experiment runs that many rounds, each round running every policy once
     (interleaved, so slow spells of a shared machine hit all policies alike); figures are medians
     over the rounds, and the spread of each policy's mean latency is reported beside them.
+    `policies` (default none, fixed:1..max_k, lut, adaptive, budget) must hold a fixed k for the ratios.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    policies = ["none"] + [f"fixed:{k}" for k in range(1, max_k + 1)] + ["lut", "adaptive"]
+    policies = policies or all_policies(max_k)
     tok = models.tokenizer
     results: dict = {"gpu_type": profile.gpu_type, "target": profile.target, "draft": profile.draft,
                      "profile_best_k": profile.best_k, "profile_acceptance_rate": profile.acceptance_rate,
-                     "repeat": repeat}
+                     "repeat": repeat, "policies": policies, "prompt_lookup": models.prompt_lookup}
     rng = random.Random(seed)
     plan = {c: uniform_jobs(tok, c, rng, scale) for c in concurrencies} if "a" in parts else {}
     varying, phases = varying_jobs(tok, rng, scale) if "b" in parts else ([], [])
     shift = shift_jobs(tok, max(4, int(12 * scale))) if "c" in parts else []
-    shift_policies, shift_cs = ["none", "lut", "adaptive"], [1, 4]
-    total = repeat * ((sum(len(j) for j in plan.values()) + len(varying)) * len(policies)
+    mixed, mixed_phases = mixed_jobs(tok, random.Random(seed + 1), scale) if "d" in parts else ([], [])
+    shift_policies, shift_cs = [p for p in ["none", *ADAPTIVE_POLICIES] if p in policies], [1, 4]
+    total = repeat * ((sum(len(j) for j in plan.values()) + len(varying) + len(mixed)) * len(policies)
                       + len(shift) * len(shift_policies) * len(shift_cs))
     warm = [Job(j.prompt, 8) for j in uniform_jobs(tok, 2, random.Random(1), 0.5)[:2]]
     for p in policies:  # warm-up: every policy once, short (first-call allocations, code paths)
@@ -209,7 +272,7 @@ def bench_policies(models: LoadedModels, profile: Profile, out_dir: str, concurr
             for i in range(repeat):
                 for p in names:
                     bar.set_postfix_str(f"{label} {p} ({i + 1}/{repeat})")
-                    runs[p].append(_run(models, profile, p, jobs, max_batch, open_loop, bar))
+                    runs[p].append(_run(models, profile, p, jobs, max_batch, open_loop, bar, steps=[]))
             return runs
 
         if plan:
@@ -223,17 +286,16 @@ def bench_policies(models: LoadedModels, profile: Profile, out_dir: str, concurr
             results["uniform"] = rows
         if varying:
             runs = rounds("(b)", policies, varying, 32, True)
-            results["varying"] = {
-                "requests": len(varying), "phases": phases,
-                "policies": {p: {"mean_latency_s": _med(rs, lambda r: r.mean_latency), "spread": _spread(rs),
-                                 "p90_latency_s": _med(rs, lambda r: _pct(r.latencies, 0.9)),
-                                 "tokens_per_s": _med(rs, lambda r: r.tokens_per_s),
-                                 "acceptance": _med(rs, lambda r: r.acceptance), "mean_k": _med(rs, _mean_k),
-                                 "choose_us_per_step": _med(rs, lambda r: 1e6 * r.choose_s / max(len(r.steps), 1)),
-                                 "choose_share_of_step": _med(rs, lambda r: r.choose_s / r.step_s)}
-                             for p, rs in runs.items()},
-            }
+            results["varying"] = {"requests": len(varying), "phases": phases, "policies": _open_loop_rows(runs, varying),
+                                  "regret": regret_report(runs)}
             _plot_varying(out / "varying.png", varying, phases, {p: _median_run(rs) for p, rs in runs.items()})
+        if mixed:
+            runs = rounds("(d)", policies, mixed, 32, True)
+            kinds = {k: sum(j.kind == k for j in mixed) for k, _ in MIXED_KINDS}
+            results["mixed"] = {"requests": len(mixed), "kinds": kinds, "phases": mixed_phases,
+                                "policies": _open_loop_rows(runs, mixed), "regret": regret_report(runs)}
+            _plot_varying(out / "mixed.png", mixed, mixed_phases, {p: _median_run(rs) for p, rs in runs.items()},
+                          "(d) bursts of mixed requests (chat, JSON, rewrites)")
         if shift:
             half = len(shift) // 2
             results["shift"], shift_runs = {}, {}
@@ -256,6 +318,38 @@ def bench_policies(models: LoadedModels, profile: Profile, out_dir: str, concurr
     (out / "summary.md").write_text(f"<!-- written by {prov['command'] or 'bench_policies()'} on {prov['created']} -->\n"
                                     + summary_markdown(results, policies))
     return results
+
+
+def regret_report(runs: dict[str, list[Result]]) -> dict[str, list[dict]]:
+    """Each adaptive policy's steps against the hindsight-best fixed k per batch size, from every round's
+    decode steps (`bench.regret`); the steps themselves are dropped afterwards (they are large)."""
+    best = regret.fixed_rates({p: [st for r in rs for st in r.stats] for p, rs in runs.items()})
+    report = {p: regret.regret([st for r in rs for st in r.stats], best) for p, rs in runs.items()
+              if p in ADAPTIVE_POLICIES}
+    for rs in runs.values():
+        for r in rs:
+            r.stats = []
+    return report
+
+
+def _open_loop_rows(runs: dict[str, list[Result]], jobs: list[Job]) -> dict:
+    """Per policy: medians over the rounds of an open-loop schedule's figures, per request kind too."""
+    kinds = sorted({j.kind for j in jobs})
+
+    def kind_mean(kind):
+        idx = [i for i, j in enumerate(jobs) if j.kind == kind]
+        return lambda r: statistics.fmean(r.latencies[i] for i in idx)
+
+    return {p: {"mean_latency_s": _med(rs, lambda r: r.mean_latency), "spread": _spread(rs),
+                "round_latencies_s": [r.mean_latency for r in rs],
+                "p90_latency_s": _med(rs, lambda r: _pct(r.latencies, 0.9)),
+                "tokens_per_s": _med(rs, lambda r: r.tokens_per_s),
+                "acceptance": _med(rs, lambda r: r.acceptance), "mean_k": _med(rs, _mean_k),
+                "drafted_per_row": _med(rs, lambda r: r.proposed / max(sum(b for _, b, _ in r.steps), 1)),
+                "by_kind": {k: _med(rs, kind_mean(k)) for k in kinds} if len(kinds) > 1 else {},
+                "choose_us_per_step": _med(rs, lambda r: 1e6 * r.choose_s / max(len(r.steps), 1)),
+                "choose_share_of_step": _med(rs, lambda r: r.choose_s / r.step_s)}
+            for p, rs in runs.items()}
 
 
 def _med(rs: list[Result], fn) -> float:
@@ -309,7 +403,7 @@ def summary_markdown(res: dict, policies: list[str]) -> str:
                      + (f" (±{50 * rows[c][p]['spread']:.0f}%)" if res.get("repeat", 1) > 1 else "") for c in rows]
             lines.append(f"| {p} | " + " | ".join(cells) + " |")
         lines += ["", "| vs best fixed | " + " | ".join(f"c={c}" for c in rows) + " |", "|---|" + "---|" * len(rows)]
-        for p in ("lut", "adaptive"):
+        for p in [q for q in ADAPTIVE_POLICIES if q in policies]:
             cells = []
             for c, row in rows.items():
                 bf, bl = best_fixed(row)
@@ -318,21 +412,10 @@ def summary_markdown(res: dict, policies: list[str]) -> str:
                 cells.append(f"{v / bl:.3f}x {bf} ({v / bnl:.3f}x {bn})")
             lines.append(f"| {p} | " + " | ".join(cells) + " |")
         lines.append("")
-    if "varying" in res:
-        v = res["varying"]
-        bf, bl = best_fixed(v["policies"])
-        bn, bnl = best_fixed(v["policies"], with_none=True)
-        lines += ["## (b) Time-varying traffic (open loop, seeded Poisson arrivals)", "",
-                  f"{v['requests']} requests; phases (start s, end s, requests/s): "
-                  + ", ".join(f"({a:.0f}, {b:.0f}, {r})" for a, b, r in v["phases"]), "",
-                  "| policy | mean latency | spread | p90 latency | tokens/s | acceptance | mean k | vs best fixed k | choose() per step |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for p in policies:
-            x = v["policies"][p]
-            lines.append(f"| {p} | {x['mean_latency_s']:.2f}s | {100 * x['spread']:.0f}% | {x['p90_latency_s']:.2f}s | {x['tokens_per_s']:.1f} | "
-                         f"{x['acceptance']:.2f} | {x['mean_k']:.2f} | {x['mean_latency_s'] / bl:.3f}x | "
-                         f"{x['choose_us_per_step']:.0f} us ({100 * x['choose_share_of_step']:.3f}% of step time) |")
-        lines += ["", f"Best fixed k >= 1: {bf} ({bl:.2f}s); best of none and fixed: {bn} ({bnl:.2f}s).", ""]
+    for key, title in (("varying", "(b) Time-varying traffic (open loop, seeded Poisson arrivals)"),
+                       ("mixed", "(d) Bursts of mixed requests: chat, JSON, rewrites (open loop, seeded)")):
+        if key in res:
+            lines += _open_loop_markdown(res[key], title, policies)
     if "shift" in res:
         lines += ["## (c) Workload shift (creative prompts, then structured ones; closed loop)", "",
                   "Acceptance is what speculating policies saw in each phase (lut and adaptive may speculate "
@@ -346,6 +429,35 @@ def summary_markdown(res: dict, policies: list[str]) -> str:
                              f"{x['creative_acceptance']:.2f} / {x['structured_acceptance']:.2f} | {x['mean_k']:.2f} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _open_loop_markdown(v: dict, title: str, policies: list[str]) -> list[str]:
+    rows = v["policies"]
+    bf, bl = best_fixed(rows)
+    bn, bnl = best_fixed(rows, with_none=True)
+    kinds = list(next(iter(rows.values()))["by_kind"])
+    lines = [f"## {title}", "",
+             f"{v['requests']} requests" + (" (" + ", ".join(f"{n} {k}" for k, n in v["kinds"].items()) + ")"
+                                            if v.get("kinds") else "")
+             + "; phases (start s, end s, requests/s): "
+             + ", ".join(f"({a:.0f}, {b:.0f}, {r})" for a, b, r in v["phases"]), "",
+             "| policy | mean latency | spread | vs best fixed k | p90 latency | " + "".join(f"{k} | " for k in kinds)
+             + "tokens/s | acceptance | mean k | drafted per row | choose() per step |",
+             "|---|---|---|---|---|" + "---|" * len(kinds) + "---|---|---|---|---|"]
+    for p in policies:
+        x = rows[p]
+        lines.append(f"| {p} | {x['mean_latency_s']:.2f}s | {100 * x['spread']:.0f}% | {x['mean_latency_s'] / bl:.3f}x | "
+                     f"{x['p90_latency_s']:.2f}s | " + "".join(f"{x['by_kind'][k]:.2f}s | " for k in kinds)
+                     + f"{x['tokens_per_s']:.1f} | {x['acceptance']:.2f} | {x['mean_k']:.2f} | {x['drafted_per_row']:.2f} | "
+                     f"{x['choose_us_per_step']:.0f} us ({100 * x['choose_share_of_step']:.3f}%) |")
+    lines += ["", f"Best fixed k >= 1: {bf} ({bl:.2f}s); best of none and fixed: {bn} ({bnl:.2f}s). "
+              "Per kind: mean latency of that kind's requests.", ""]
+    if v.get("regret"):
+        lines += ["Regret per batch size (decode-only steps of every round; the reference is the fixed k whose steps "
+                  "made tokens fastest in that batch-size group, in this same run; time lost is what the policy's "
+                  "tokens there took beyond that rate, negative when it was faster):", ""]
+        lines += regret.markdown(v["regret"]) + [""]
+    return lines
 
 
 def _plt():
@@ -362,6 +474,8 @@ def _style(p: str) -> dict:
         return {"color": "tab:red", "linewidth": 2.5, "marker": "o"}
     if p == "lut":
         return {"color": "tab:blue", "linewidth": 2.5, "marker": "s"}
+    if p == "budget":
+        return {"color": "tab:green", "linewidth": 2.5, "marker": "^"}
     if p == "none":
         return {"color": "black", "linewidth": 2, "linestyle": "--"}
     k = int(p.split(":")[1])
@@ -394,17 +508,18 @@ def _plot_uniform(path: Path, rows: dict, policies: list[str]) -> None:
     plt.close(fig)
 
 
-def _plot_varying(path: Path, jobs: list[Job], phases: list, runs: dict[str, Result]) -> None:
+def _plot_varying(path: Path, jobs: list[Job], phases: list, runs: dict[str, Result],
+                  title: str = "(b) time-varying traffic") -> None:
     plt = _plt()
     fig, (ax0, ax1, ax2) = plt.subplots(3, 1, figsize=(12, 10), sharex=True)
     for start, end, rate in phases:
         ax0.axvspan(start, end, alpha=0.15 if rate > 1 else 0.0, color="tab:orange")
     ax0.hist([j.at for j in jobs], bins=max(10, int(phases[-1][1])), color="tab:orange")
     ax0.set_ylabel("arrivals per second")
-    ax0.set_title("(b) time-varying traffic: arrivals, request latency, chosen k")
+    ax0.set_title(f"{title}: arrivals, request latency, chosen k")
     fixed = {p: r for p, r in runs.items() if p.startswith("fixed:")}
     best = min(fixed, key=lambda p: fixed[p].mean_latency)
-    for p in ("none", best, "lut", "adaptive"):
+    for p in [q for q in ("none", best, *ADAPTIVE_POLICIES) if q in runs]:
         r = runs[p]
         pts = sorted(zip([j.at for j in jobs], r.latencies))
         ax1.plot([a for a, _ in pts], [lat for _, lat in pts], label=f"{p} (mean {r.mean_latency:.2f}s)", **_style(p))
@@ -412,15 +527,17 @@ def _plot_varying(path: Path, jobs: list[Job], phases: list, runs: dict[str, Res
     ax1.set_ylabel("request latency (s) by arrival time")
     ax1.legend(fontsize=8)
     ax1.grid(alpha=0.3)
-    for p in ("lut", "adaptive"):
+    shown = [p for p in ADAPTIVE_POLICIES if p in runs]
+    for p in shown:
         r = runs[p]
         ax2.step([t for t, _, _ in r.steps], [k for _, _, k in r.steps], where="post", label=f"{p}: k", alpha=0.8,
                  color=_style(p)["color"])
     ax2b = ax2.twinx()
-    r = runs["adaptive"]
-    ax2b.plot([t for t, _, _ in r.steps], [b for _, b, _ in r.steps], color="tab:gray", alpha=0.5, label="batch (adaptive)")
+    r = runs[shown[-1]] if shown else best
+    ax2b.plot([t for t, _, _ in r.steps], [b for _, b, _ in r.steps], color="tab:gray", alpha=0.5,
+              label=f"batch ({shown[-1] if shown else best})")
     ax2b.set_ylabel("batch size", color="tab:gray")
-    ax2.set_ylabel("k chosen per step")
+    ax2.set_ylabel("k chosen per step (budget: drafted per row)")
     ax2.set_xlabel("seconds since start")
     ax2.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
@@ -441,7 +558,7 @@ def _plot_shift(path: Path, runs_by_c: dict[int, dict[str, Result]], half: int) 
         ax.set_title(f"(c) workload shift, concurrency {c}")
         ax.set_ylim(0, ax.get_ylim()[1] * 1.2)  # headroom: the legend sits above the bars, not on them
         ax.legend(loc="upper center", ncol=3, framealpha=0.9)
-        for p in ("lut", "adaptive"):
+        for p in [q for q in ADAPTIVE_POLICIES if q in runs]:
             r = runs[p]
             ax2.step([t for t, _, _ in r.steps], [k for _, _, k in r.steps], where="post", label=p,
                      color=_style(p)["color"], alpha=0.8)

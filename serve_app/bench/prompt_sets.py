@@ -3,8 +3,9 @@
 - PROFILE_PROMPTS: what `specserve profile` measures latency and acceptance on. A profile's acceptance
   steers lut and adaptive, so it must not be measured on the prompts those policies are judged on.
 - Evaluation sets (EVAL_SETS): BENCH_PROMPTS (everyday chat), CREATIVE_PROMPTS (unusual requests, the
-  draft agrees less) and STRUCTURED_PROMPTS (lists, code edits, rewrites: answers that repeat or follow
-  the request's own text, the draft agrees more). The benchmarks run on these only.
+  draft agrees less), STRUCTURED_PROMPTS (lists, code edits, rewrites: answers that repeat or follow
+  the request's own text, the draft agrees more) and REWRITE_PROMPTS (paragraphs to correct or edit and
+  return whole: answers that copy most of their prompt). The benchmarks run on these only.
 - Distillation's seed prompts (`distill.seed_prompts`, templates x topics) are the training set.
 
 tests/test_prompt_sets.py asserts the sets are pairwise disjoint and that no profile or evaluation
@@ -71,6 +72,57 @@ STRUCTURED_PROMPTS = [
 ]
 """Lists, code edits, rewrites written for evaluation: answers that copy or follow the request's text."""
 
+REWRITE_PROMPTS = [
+    "Fix the spelling mistakes in this paragraph and return the whole corrected paragraph:\n\nThe museum opens "
+    "at ten in the morning and closes at five in the afternoon. Tickets cost twelve dollars for adults and are "
+    "free for childern under six. The new exhibit on ancient Egypt is on the thrid floor, and guided tours leave "
+    "from the main hall every hour. Photography is alowed everywhere except in the special exhibition rooms.",
+    "Correct the typos in this text and give back the full corrected text:\n\nOur bakery uses only fresh "
+    "ingredients. Every mornning we bake bread, croissants and muffins before the sun comes up. On weekends we "
+    "also make cinammon rolls and apple pie. Orders for birthday cakes should be placed at least three days in "
+    "advance, and we can make them without gluten or nuts on request.",
+    "Return this paragraph with its spelling errors fixed and nothing else changed:\n\nThe hiking trail starts "
+    "at the parking lot near the lake and climbs slowly through a pine forest. After about two miles it reaches "
+    "a wooden bridge over a small river. From there the path becomes steep and rocky, so good shoes are "
+    "nesessary. At the top, hikers can see the whole valley and, on clear days, the distant mountians.",
+    "Fix the spelling in this note and return the complete note:\n\nDear neighbours, the water in our building "
+    "will be turned off on Thursday from nine until noon while the plumbers replace the old pipes in the "
+    "basement. Please fill a few bottles the night before. We apologise for the inconvenience and thank you for "
+    "your paitence. If you have any questions, call the building manager at the usual number.",
+    "Replace every occurrence of the word 'car' with 'vehicle' in this text and return the whole text:\n\nThe "
+    "car must be parked in the marked spaces only. A car left in the loading zone for more than ten minutes "
+    "will be towed. Each resident may register one car with the office, and visitors must leave their car in "
+    "the guest area near the main gate.",
+    "Change every 'Monday' to 'Tuesday' in this schedule and return the full schedule:\n\nThe team meeting is "
+    "on Monday at nine. Reports are due on Monday before noon. The cleaning crew comes every Monday evening, and "
+    "the library closes early on Monday. Please plan your week around Monday.",
+    "Fix the grammar and spelling in this email and return the corrected email:\n\nHello Maria, thank you for "
+    "you message. I have read the report and I think it look very good. There is only one small mistake in the "
+    "second table, were the totals do not add up. Could you check it before friday? After that we can send it "
+    "to the client. Best regards, Tom",
+    "Correct the spelling in this product description and return all of it:\n\nThis lightweight backpack is "
+    "made from waterproof fabric and has two large compartments, a padded laptop sleeve and four side pockets. "
+    "The shoulder straps are adjustable and very confortable, even on long walks. It comes in black, grey and "
+    "dark blue, and every bag has a lifetime waranty against defects.",
+    "Rewrite this code with the variable 'temp' renamed to 'celsius', returning all of the code:\n\n"
+    "def describe(temp):\n    if temp < 0:\n        return 'freezing'\n    if temp < 15:\n        return 'cold'\n"
+    "    if temp < 25:\n        return 'mild'\n    return 'hot'\n\nfor temp in [-5, 10, 20, 30]:\n"
+    "    print(temp, describe(temp))",
+    "Fix the spelling mistakes in this story and return the whole story:\n\nOnce upon a time a little fox lived "
+    "at the edge of a large forest. Every evening she walked to the river to drink and to watch the fish jump. "
+    "One day she found a lost duckling crying under a bush. The fox was hungry, but she decided to help the "
+    "duckling find its mother, and the two became unlikley freinds.",
+    "Return this list of instructions with the typos corrected:\n\n1. Preheat the oven to two hundred degrees.\n"
+    "2. Mix the flour, sugar and butter in a large bowl.\n3. Add the eggs one at a time and stir well.\n"
+    "4. Pour the batter into a greased tin.\n5. Bake for fourty minutes, untill golden brown.\n"
+    "6. Let it cool before serveing.",
+    "Correct the spelling in this announcement and return it in full:\n\nThe city swimming pool will reopen "
+    "next month after six months of repairs. The changing rooms have been renovated and a new childrens pool "
+    "has been added. Opening hours will be from seven in the morning to nine at night, and season tickets can "
+    "be bought online or at the entrence.",
+]
+"""Rewrites that copy most of their prompt (typo fixes, word swaps, a rename): prompt lookup's workload."""
+
 PROFILE_PROMPTS = [
     "How do airplanes generate lift?",
     "Suggest a weekend itinerary for a first visit to a big city.",
@@ -107,7 +159,8 @@ PROFILE_PROMPTS = [
 ]
 """Profiling only (latency grid rows up to batch 32, acceptance per draft position)."""
 
-EVAL_SETS = {"benchmark": BENCH_PROMPTS, "creative": CREATIVE_PROMPTS, "structured": STRUCTURED_PROMPTS}
+EVAL_SETS = {"benchmark": BENCH_PROMPTS, "creative": CREATIVE_PROMPTS, "structured": STRUCTURED_PROMPTS,
+             "rewrite": REWRITE_PROMPTS}
 
 
 def chat_prompts(tokenizer, texts: list[str], n: int | None = None) -> list[list[int]]:
