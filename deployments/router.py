@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 from collections import Counter as Tally
+from collections import deque
 
 import ray
 from pydantic import ValidationError
@@ -35,8 +36,10 @@ from serve_app.models import draft_spec, load_tokenizer, model_names
 from serve_app.engine.policy import AcceptanceEstimate, make_policy, needs_profile
 from serve_app.profiling.calibration import Calibrated, calibrated, calibrated_profile, steering_profile
 from serve_app.profiling.profiles import Profile
+from serve_app.profiling.startup import short_profile
 from serve_app.engine.scheduler import Engine, RequestOutput
 from serve_app.engine.stats import StepStats
+from serve_app.bench import regret
 
 from .config import GroupConfig
 from .workers import DraftWorker, RemoteWorker, TargetWorker
@@ -73,6 +76,10 @@ class Router:
         self.shared = await self._fetch_shared()  # a calibrated profile another replica of this type shared
         self._polls = 0
         self.engine = Engine(target, draft, load_tokenizer(mc.target), self.engine_config, self._policy())
+        self.local: Profile | None = None  # a startup profile of this machine (EngineConfig.startup_profile)
+        self.startup: dict | None = None
+        if self.engine_config.startup_profile and has_draft and not self._measured_here():
+            await asyncio.to_thread(self._startup_profile)
         self.engine.on_step.append(self._on_step)
         self.engine.repair = self._repair
         self.recoveries: list[dict] = []  # {role, seconds}: each replaced worker and how long it took
@@ -84,6 +91,7 @@ class Router:
         self.last_step = {"batch_size": 0, "k": 0}
         self.k_tally: Tally = Tally()
         self.observed = AcceptanceEstimate(0.0)  # live acceptance under any policy (adaptive keeps its own)
+        self.recent: deque[StepStats] = deque(maxlen=self.REGRET_STEPS)  # decode steps, for stats()["regret"]
         self.drifted = False  # calibrated latencies past DRIFT_WARN (logged once each way)
         self.max_batch_seen = 0
         self._poll_task: asyncio.Task | None = None
@@ -201,16 +209,42 @@ class Router:
         shared = calibrated_profile(policy.profile, policy.calibration, self.machine)
         await self.store.share.remote(shared.model_dump())
 
+    def _measured_here(self) -> bool:
+        return self.profile is not None and self.profile.source == "measured" and self.profile.machine == self.machine
+
+    def _startup_profile(self) -> None:
+        """Measure a short profile of this machine on the engine before it serves (`profiling.startup`) and
+        steer by it: no profile measured here is held, and one from elsewhere can be far off."""
+        t = time.perf_counter()
+        try:
+            self.local = short_profile(self.engine, self.gpu_type, *self.model_pair, self.dtype)
+        except Exception as e:  # a replica that cannot profile still serves, on what it holds
+            log.warning("startup profile failed (%s); steering by the held profile", e)
+            self.startup = {"error": str(e)}
+            return
+        self.startup = {"seconds": round(time.perf_counter() - t, 2), "batch_sizes": self.local.latency.batch_sizes,
+                        "ks": self.local.latency.ks, "best_k": self.local.best_k,
+                        "acceptance_rate": self.local.acceptance_rate}
+        log.info("group %s: startup profile of %s in %.1f s: best k %s", self.group.name, self.machine,
+                 self.startup["seconds"], self.local.best_k)
+        self.engine.policy = self._policy()
+
     def _policy(self):
         """The configured policy; a profile-driven one without a usable profile decodes plainly meanwhile."""
         spec, self.profile_problem = self.engine_config.policy, None
         if needs_profile(spec):
             try:
-                if self.profile is None:
+                local = getattr(self, "local", None)  # a startup profile (set once the engine exists)
+                if self.profile is None and local is None:
                     raise ValueError(f"no profile for hardware type {self.gpu_type} yet")
-                # a measured profile of this machine; else one another replica calibrated and shared
-                base = steering_profile(self.profile, self.shared, self.machine) if self.engine_config.calibrate \
-                    else self.profile
+                # a measured profile of this machine; else its startup profile; else one another replica of the
+                # type calibrated and shared; else the held one
+                if local is not None and not self._measured_here():
+                    base = local
+                elif self.engine_config.calibrate:
+                    base = steering_profile(self.profile, self.shared, self.machine)
+                else:
+                    base = self.profile
                 base.check_pair(*self.model_pair, self.dtype)
                 policy = make_policy(spec, base)
                 # a new profile means a new calibration: what was learned was relative to the old one
@@ -370,6 +404,8 @@ class Router:
             if st.accepted:
                 self.m_accepted.inc(st.accepted)
             self.observed.observe(st)
+            if not st.prefill_tokens:
+                self.recent.append(st)
             if st.k:
                 self.m_estimate.set(self.acceptance_estimate())
             if self.k_tally.total() % 64 == 0:
@@ -389,6 +425,22 @@ class Router:
                             self.gpu_type, 100 * cal["drift"], cal["factors"])
             else:
                 log.info("group %s: steps are back within %.0f%% of the profile", self.group.name, 100 * self.DRIFT_WARN)
+
+    REGRET_STEPS = 2048
+    """Recent decode steps stats()["regret"] reads."""
+
+    def regret(self) -> list[dict] | None:
+        """The policy's recent steps per batch-size group against the best fixed k there, priced by the
+        calibrated grid with the live acceptance (`bench.regret`; a serving replica has no fixed-k runs beside
+        it): drafted per row, tokens per ms, the best fixed k and its rate, time lost (+) or won (-)."""
+        policy = self.engine.policy
+        if not isinstance(policy, Calibrated) or not self.recent:
+            return None
+        a = self.acceptance_estimate()
+        acceptance = [a ** (j + 1) for j in range(max(policy.profile.latency.ks))]
+        best = regret.grid_rates(policy.calibration.grid(), acceptance)
+        return [{**r, "lost_ms": round(r["lost_ms"], 1), "rate": round(r["rate"], 4), "best_rate": round(r["best_rate"], 4),
+                 "drafted_per_row": round(r["drafted_per_row"], 3)} for r in regret.regret(list(self.recent), best)]
 
     def calibration(self) -> dict | None:
         """The calibration the policy steers by: steps seen and used, factors per part and batch size, drift."""
@@ -503,7 +555,8 @@ class Router:
             "running": len(self.engine.running), "prefilling": len(self.engine.prefilling),
             "waiting": len(self.engine.waiting), "reserved": self.engine.reserved,
             "actors": self.actor_names, "recoveries": self.recoveries, "resumed": self.resumed, "repairing": self.engine.repairing,
-            "speculating": self.engine.speculating, "calibration": self.calibration(),
+            "speculating": self.engine.speculating, "calibration": self.calibration(), "regret": self.regret(),
+            "startup_profile": self.startup,
         }
 
     def __del__(self):

@@ -882,6 +882,13 @@ def _cmd_chaos(args) -> int:
     return 0
 
 
+def _simulated_policies(policies: list[str]) -> None:
+    """The simulators model one k per step: a per-row policy is refused up front, not run wrong."""
+    if "budget" in policies:
+        raise UsageError("simulate models one k per step for the whole batch; `budget` (a length per row) is not "
+                         "simulated yet: compare it for real with `specserve bench policies`")
+
+
 def _cmd_simulate(args) -> int:
     from serve_app.profiling.profiles import load_profiles
     from serve_app.sim.run import run_simulations
@@ -912,6 +919,7 @@ def _cmd_simulate(args) -> int:
         duration = args.duration or nominal
         kwargs.update(users_at=lambda t: shape.users_at(t * nominal / duration) * args.users_scale, duration_s=duration)
     policies = [p.strip() for p in (args.policy or "none,fixed:1,fixed:2,lut,adaptive").split(",") if p.strip()]
+    _simulated_policies(policies)
     try:
         _, markdown = run_simulations(fleet, profiles, policies, args.out, **kwargs)
     except ValueError as e:
@@ -940,6 +948,7 @@ def _cmd_simulate_validate(args) -> int:
 
     policies = [p.strip() for p in (args.policy or "none,fixed:1,fixed:2,fixed:4,fixed:8,lut,adaptive").split(",")
                 if p.strip()]
+    _simulated_policies(policies)
     if args.fleet or args.shape or args.trace or args.tolerance <= 0 or args.tie < 0 or args.scale <= 0 or args.repeat < 1:
         raise UsageError("--validate runs its own schedule on this machine: no --fleet, --shape or --trace; "
                          "--tolerance and --scale > 0, --tie >= 0, --repeat >= 1")

@@ -120,9 +120,11 @@ def test_calibrated_policies_choose_what_the_true_latencies_call_for(policy):
         truth = make_policy("adaptive", profile(TRUE))
         for pol in (truth, before.replicas[0].policy):
             pol.estimate = steered.inner.estimate
-        sizes = (1, 2, 4, 16, 32)
+        # (not at 4: the true latencies jump between 4 and 8, and the neighbouring-k visits put steps of both
+        # sides at different k into group 4's line)
+        sizes = (1, 2, 16, 32)
         want = [truth.choose(BatchState(b, 8)) for b in sizes]
-        assert [steered.choose(BatchState(b, 8)) for b in sizes] == want
+        assert [steered.inner.choose(BatchState(b, 8)) for b in sizes] == want  # (less the neighbouring-k visits)
         assert [before.replicas[0].policy.choose(BatchState(b, 8)) for b in sizes] != want
 
 
@@ -186,3 +188,48 @@ def test_a_machine_whose_drafted_tokens_cost_differently_is_priced_at_every_k_fr
     for part in ("draft_ms", "verify_ms"):
         assert getattr(got, part)[i][1:] == pytest.approx(getattr(true, part)[i][1:], rel=0.02), part
     assert best_k_table(got, ACCEPTANCE)[8] == best_k_table(true, ACCEPTANCE)[8]
+
+
+def test_calibrated_lut_prices_its_table_with_the_acceptance_this_replica_sees():
+    """lut's table under calibration follows the live acceptance, not only the profiling prompts': a draft that
+    agrees far less here shortens k (to 0 where nothing pays); one that agrees as profiled keeps the table."""
+    def run(accept_first: bool) -> dict[int, int]:
+        pol = calibrated(make_policy("lut", profile(GRID)), profile(GRID))
+        for _ in range(200):
+            k = 3
+            st = step(GRID, 1, k)
+            acc = k if accept_first else 0  # every token accepted, or the first one rejected
+            st.accepted, st.accepted_per_position = acc, [1 if accept_first else 0] * k
+            pol.observe(st)
+        pol.refresh()
+        return dict(pol.inner.best_k)
+
+    profiled = best_k_table(GRID, ACCEPTANCE)
+    low = run(False)
+    assert all(low[b] <= profiled[b] for b in SIZES) and low[1] < profiled[1] and low[1] == 0
+    high = run(True)
+    assert all(high[b] >= profiled[b] for b in SIZES)
+
+
+def test_calibrated_policies_visit_a_neighbouring_k_now_and_then_so_slopes_are_measured():
+    """lut keeps one k per batch size; every 8th speculating step runs k + 1 or k - 1 by turns, so the
+    calibration sees two columns and prices a machine whose drafted tokens cost more than profiled (a line,
+    not one factor), and the table moves to the k the true latencies call for."""
+    pol = calibrated(make_policy("lut", profile(GRID)), profile(GRID))
+    k = pol.inner.best_k[2]
+    assert k >= 2
+    choices = [pol.choose(BatchState(2, 8)) for _ in range(64)]
+    assert choices.count(k) == 56 and choices.count(k + 1) == 4 and choices.count(k - 1) == 4
+    # verifying a drafted token costs 3x the profile's (longer contexts), the k = 0 step as profiled: one factor
+    # on the one column lut runs would scale k = 0 with it and keep the table; two columns measure the slope
+    steep = GRID.model_copy(update={"verify_ms": [[row[0] + 3 * (v - row[0]) for v in row] for row in GRID.verify_ms]})
+    want = best_k_table(steep, ACCEPTANCE)[2]
+    assert want < k
+    for explore, got in ((8, want), (0, k)):
+        pol = Calibrated(make_policy("lut", profile(GRID)), profile(GRID), explore_every=explore)
+        pol.live = None  # prices only here: these steps carry no acceptance
+        for _ in range(400):
+            pol.observe(step(steep, 2, pol.choose(BatchState(2, 8))))
+        assert pol.inner.best_k[2] == got
+    # a plan (budget) or k = 0 passes through untouched
+    assert calibrated(make_policy("none"), profile(GRID)).choose(BatchState(2, 8)) == 0

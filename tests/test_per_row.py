@@ -192,6 +192,11 @@ def test_plan_walk_keeps_rows_while_their_tokens_are_worth_it():
     walk = PlanWalk(plan)
     walk.position(0, [0.1, 0.1])
     assert walk.lengths == [1, 0]
+    # rows the model drafts stop at the step's uniform depth; a row copying from its context goes on
+    walk = PlanWalk(DraftPlan(caps=[6, 6], model_depth=1))
+    assert not walk.position(0, [0.99, 0.99], [False, True])  # no forward: the model row is done
+    walk.position(1, [0.99, 0.99], [False, True])
+    assert walk.lengths == [1, 2] and walk.active == [False, True]
 
 
 def test_fit_choice_keeps_plans_within_the_engine_limits():
@@ -225,6 +230,7 @@ def test_budget_plans_by_price_and_learns_from_outcomes():
     assert plan.token_value == pytest.approx(rate * 0.5)
     # forwards: 2 ms at batch 1, 4 at batch 8: 2 / 7 ms per row on top of 12 / 7
     assert plan.forward_value == pytest.approx(rate * 12 / 7) and plan.row_value == pytest.approx(rate * 2 / 7)
+    assert plan.model_depth == max(pol.uniform(8)[0], 1)
     # drafts that always fail: the curve and the requests' records learn it, and speculation stops
     for _ in range(200):
         st = StepStats(batch_size=8, k=2, proposed=16, accepted=0, accepted_per_position=[0, 0],

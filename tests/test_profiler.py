@@ -226,3 +226,27 @@ def test_bench_acceptance_tells_a_perfect_draft_from_a_random_one(tiny_model_dir
     assert json.loads((tmp_path / "acc.json").read_text())["sets"]["creative"]["tokens_per_step"] > 2.9
     assert "tokens/step" in (tmp_path / "acc.md").read_text() and "tokens/step" in capsys.readouterr().out
     assert main(["bench", "acceptance", "--target", target, "--draft", target, "--k", "0"]) == 2
+
+
+def test_startup_profile_measures_a_small_grid_on_the_serving_engine_and_leaves_it_as_it_was(tiny_model_dirs):
+    """profiling.startup.short_profile: batch sizes clipped to the engine's, k 0 / 1 / 2 / 4, every cell
+    timed, acceptance per position at the largest k (the target as its own draft: all accepted), this host;
+    the engine keeps its policy and holds no request afterwards, and still serves."""
+    from serve_app.config import EngineConfig, ModelConfig, SamplingParams
+    from serve_app.engine.policy import FixedK
+    from serve_app.engine.scheduler import Engine
+    from serve_app.models import load_models
+    from serve_app.profiling.startup import short_profile
+
+    target = tiny_model_dirs["target"]
+    models = load_models(ModelConfig(target=target, draft=target, dtype="float32", prompt_lookup=False))
+    engine = Engine.from_models(models, EngineConfig(max_batch_size=4, max_k=4), FixedK(1))
+    prof = short_profile(engine, "cpu-test", "t", "d", "float32")
+    grid = prof.latency
+    assert grid.batch_sizes == [1, 4] and grid.ks == [0, 1, 2, 4] and prof.source == "measured" and prof.machine
+    assert all(v > 0 for row in grid.verify_ms for v in row) and all(row[0] < 0.05 <= min(row[1:]) for row in grid.draft_ms)
+    assert prof.acceptance == [1.0] * 4 and set(prof.best_k) == {1, 4} and "startup profile" in prof.notes
+    assert engine.policy.name == "fixed:1" and not engine.has_work()
+    req = engine.submit([3, 4, 5], SamplingParams(max_tokens=4))
+    engine.run([req])
+    assert req.stats.generated_tokens == 4

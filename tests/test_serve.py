@@ -420,6 +420,35 @@ def test_eagle3_head_across_actors_gives_the_target_alone_text(service, eagle_cl
     assert st["policy"] == "fixed:3" and st["k_steps"].get(3, 0) > 0  # it speculated, with the head's proposals
 
 
+def test_a_replica_with_no_profile_of_its_machine_measures_one_at_startup_and_drafts_per_row(service, tmp_path):
+    """EngineConfig.startup_profile: a group whose store holds no profile measures a short one before it
+    serves, steers `budget` by it (no profile problem, k > 0 steps), reports its cost and regret, and its
+    greedy text is the target's alone."""
+    from deployments.app import build_app
+
+    cfg = {"model": service["model"], "engine": {"policy": "budget", "startup_profile": True, "max_batch_size": 4},
+           "groups": [{"name": "P", "gpu_type": "P", "torch_threads": 1}],
+           "served_model_name": "tiny-p", "profiles_dir": None, "max_tokens_limit": 64}
+    serve.run(build_app(cfg), name="startup", route_prefix="/startup")
+    try:
+        client = OpenAI(base_url=f"{service['url']}/startup/v1", api_key="unused", max_retries=0, timeout=120)
+        (tmp_path / "in.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:3]))
+        assert cli_main(["generate", "--prompts", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "out.jsonl"),
+                         "--target", service["model"]["target"], "--dtype", "float64", "--max-tokens", "16",
+                         "--policy", "none"]) == 0
+        expected = [json.loads(x)["text"] for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+        for p, text in zip(PROMPTS[:3], expected):
+            r = client.completions.create(model="tiny-p", prompt=p, max_tokens=16, temperature=0)
+            assert r.choices[0].text == text
+        st = serve.get_deployment_handle("Router-P", "startup").stats.remote().result()
+        assert st["policy"] == "budget" and st["profile_problem"] is None, st
+        sp = st["startup_profile"]
+        assert sp["seconds"] > 0 and sp["batch_sizes"] == [1, 4] and sp["ks"] == [0, 1, 2, 4], sp
+        assert sum(n for k, n in st["k_steps"].items() if int(k) > 0) > 0 and st["regret"]
+    finally:
+        serve.delete("startup")
+
+
 def test_eagle3_features_go_from_target_actor_to_draft_actor_directly(service, eagle_client):
     """Worker actors driven by an engine in this process, as a Router drives them: the target's features
     reach the draft's actor as an object-store reference (counted there as direct bytes); what crosses
@@ -937,8 +966,13 @@ def test_router_calibrates_its_profile_online_exports_it_and_a_push_resets_it(se
     assert push(write_profile(tmp_path / "A.json", "A", 1, latency=grid)).returncode == 0
     time.sleep(1.5)
     drive()
-    st = stats("A")["calibration"]
+    full = stats("A")
+    st = full["calibration"]
     assert st is not None and st["used"] > 0, st
+    # the regret report: the policy's recent steps per batch-size group against the calibrated grid's best k
+    rows = full["regret"]
+    assert rows and all(r["best"] in ("none", "fixed:1", "fixed:2", "fixed:3") and r["steps"] > 0 for r in rows), rows
+    assert {"batch", "drafted_per_row", "rate", "best_rate", "lost_ms"} <= set(rows[0])
     assert st["factors"]["verify"][1] < 0.2 and st["drift"] > 0.5  # the machine is much faster than "profiled"
     time.sleep(1.5)  # the next report to the store carries it to /metrics
     text = httpx.get(f"{service['url']}/metrics").text

@@ -149,6 +149,10 @@ def test_simulate_command_writes_table_and_plot(tmp_path):
                         "--out", str(tmp_path / "sim2")], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0 and "| fixed:1 |" in r.stdout, r.stderr[-2000:]
     assert main(["simulate", "--fleet", "nope", "--trace", str(tmp_path / "trace.csv")]) == 2
+    # per-row lengths are not simulated: refused by name, before anything runs
+    for extra in (["--fleet", "cpu-2core:2", "--profiles", str(ROOT / "profiles"), "--trace", str(tmp_path / "trace.csv")],
+                  ["--validate"]):
+        assert main(["simulate", *extra, "--policy", "fixed:1,budget"]) == 2
 
 
 def test_old_profiles_prefill_price_is_used_per_prompt_token_and_resuming_speculation_costs_its_switch():

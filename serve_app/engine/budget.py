@@ -141,8 +141,8 @@ class Budget:
 
     name = "budget"
 
-    def __init__(self, grid: LatencyGrid, acceptance_rate: float, probe_every: int = 16):
-        self.grid, self.probe_every = grid, probe_every
+    def __init__(self, grid: LatencyGrid, acceptance_rate: float, probe_every: int = 16, model_depth: bool = True):
+        self.grid, self.probe_every, self.model_depth = grid, probe_every, model_depth
         self.a, self.a_trials = acceptance_rate * 128.0, 128.0  # per-token acceptance (the step's worth)
         self.curve = ConfidenceCurve()
         # a copied token's confidence is its matched suffix's length: the prior is the bin's own value too
@@ -161,10 +161,17 @@ class Budget:
             p = self._prices[batch_size] = prices(self.grid, batch_size)
         return p
 
+    def uniform(self, batch_size: int) -> tuple[int, float]:
+        """The best uniform k at this batch size with the live acceptance, and its tokens per ms (what a step
+        here is worth)."""
+        p, a = self.prices(batch_size), self.acceptance_estimate
+        rates = {k: batch_size * expected_tokens(a, k) / p.step_ms(batch_size, k) for k in self.grid.ks}
+        k = max(rates, key=lambda k: (rates[k], -k))
+        return k, rates[k]
+
     def rate(self, batch_size: int) -> float:
         """Tokens per ms a step at this batch size is worth: the best uniform k with the live acceptance."""
-        p, a = self.prices(batch_size), self.acceptance_estimate
-        return max(batch_size * expected_tokens(a, k) / p.step_ms(batch_size, k) for k in self.grid.ks)
+        return self.uniform(batch_size)[1]
 
     def choose(self, state) -> int | DraftPlan:
         if not state.has_draft or state.max_k <= 0:
@@ -174,7 +181,7 @@ class Budget:
         self.requests = {rid: self.requests.get(rid) or RequestRecord() for rid in ids}
         recs = [self.requests[rid] for rid in ids]
         p = self.prices(b)
-        rate = self.rate(b)
+        k_uniform, rate = self.uniform(b)
         token_value = rate * p.token_ms
         # every probe_every-th step every row drafts at least one token, whatever the prices say: the curve
         # and the requests' records keep learning where they would otherwise never draft
@@ -185,7 +192,8 @@ class Budget:
         return DraftPlan(caps=[state.max_k] * b, token_value=token_value, forward_value=rate * p.forward_fixed_ms,
                          row_value=rate * p.forward_row_ms,
                          scale=[r.scale for r in recs], curve=self.curve.values(), explore=probe,
-                         lookup_curve=self.lookup_curve.values())
+                         lookup_curve=self.lookup_curve.values(),
+                         model_depth=max(k_uniform, 1) if self.model_depth else None)
 
     def worth_it(self, b: int, max_k: int, scales: list[float], rate: float, p: Prices) -> bool:
         """Whether speculating at all pays this step: for some depth d, the rows' expected accepted tokens

@@ -54,6 +54,9 @@ class DraftPlan:
     explore: bool = False
     """Every row with a cap keeps its first token whatever it is worth: the target's verdict on it teaches the
     curve about confidences the prices would never let through."""
+    model_depth: int | None = None
+    """Rows the draft model drafts stop at this many tokens (the uniform k the step's prices call for);
+    rows copying from their own context (prompt lookup) may go on to their caps. None: no such limit."""
     lookup_curve: list[float] | None = None
     """The same for tokens a draft copied from the row's own context (prompt lookup), whose confidence is
     the lookup's own (the length of the matched suffix, scaled to [0, 1])."""
@@ -112,9 +115,10 @@ class PlanWalk:
             self.estimates[b].append(e)
             self.total += 1
             net = v * e - p.token_value - p.row_value  # what drafting its next token should earn it
-            if j + 1 >= p.caps[b]:
+            copying = bool(lookup and lookup[b])
+            if j + 1 >= p.caps[b] or (not copying and p.model_depth is not None and j + 1 >= p.model_depth):
                 self.active[b] = False
-            elif lookup and lookup[b]:  # a copying row goes on without the draft's forwards
+            elif copying:  # a copying row goes on without the draft's forwards
                 continue
             elif net > 0:
                 gain += net

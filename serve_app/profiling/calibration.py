@@ -11,8 +11,9 @@ instead: its measured time less the (calibrated) decode part, against the grid's
 many prompt tokens (`LatencyGrid.chunk_ms`), gives the `chunk` part's factor, which scales every prefill
 price of the grid (a profile measured before chunked prefill priced it another way).
 
-`Calibrated` wraps a profile-driven policy (lut, adaptive) and steers it by the calibrated grid: lut's
-table is recomputed from it with the profile's acceptance, adaptive prices goodput with it. Pure
+`Calibrated` wraps a profile-driven policy (lut, adaptive, budget) and steers it by the calibrated grid: lut's
+table is recomputed from it with the acceptance this replica sees (the profile's per-position shape scaled
+to a live per-token estimate), adaptive prices goodput with it, budget its per-step prices. Pure
 Python; the Router exports the factors and logs drift.
 """
 
@@ -22,7 +23,8 @@ import math
 from collections import deque
 from statistics import median
 
-from serve_app.engine.policy import PROFILE_POLICIES
+from serve_app.engine.draftplan import DraftPlan
+from serve_app.engine.policy import PROFILE_POLICIES, AcceptanceEstimate, LookupTable
 from serve_app.engine.stats import StepStats
 from serve_app.profiling.profiles import LatencyGrid, _between, best_k_table
 
@@ -118,7 +120,10 @@ class Calibration:
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
         at = my + slope * (ks[j] - mx)
-        return min(max(at / rows[j], 0.2), 5.0) if rows[j] > 0.05 else 1.0
+        # the line refines the group's one factor, within 2x of it either way (a line extrapolated far from the
+        # k it saw can run to nonsense; the factor itself is measured, however far off the profile was)
+        factor = math.exp(median(r for _, r in samples))
+        return min(max(at / rows[j], factor / 2), factor * 2) if rows[j] > 0.05 else factor
 
     def factor(self, part: str, i: int) -> float:
         """One number per part and profiled batch size (what /metrics shows): the median measured /
@@ -164,19 +169,40 @@ class Calibrated:
     """A profile-driven policy (lut, adaptive) steered by the grid its Calibration keeps: every
     `refresh_every` useful steps the policy gets the calibrated grid (lut: its best-k table again)."""
 
-    def __init__(self, inner, profile, refresh_every: int = 16, **calibration):
+    def __init__(self, inner, profile, refresh_every: int = 16, explore_every: int = 8, **calibration):
         if profile.latency is None:
             raise ValueError("calibration needs a profile with a latency grid")
         self.inner, self.profile, self.refresh_every = inner, profile, refresh_every
+        self.explore_every, self._chosen = explore_every, 0
         self.name = inner.name
         self.calibration = Calibration(profile.latency, **calibration)
         self._since = 0
+        # lut's table is the paper's (batch size -> k), but priced with the acceptance this replica sees, not
+        # only the profiling prompts': a workload whose draft agrees less than the profile's wants smaller k
+        self.live = AcceptanceEstimate(profile.acceptance_rate) if _is_table(inner) and profile.acceptance_rate \
+            else None
 
     def choose(self, state):
-        return self.inner.choose(state)
+        choice = self.inner.choose(state)
+        if not self.explore_every or isinstance(choice, DraftPlan) or choice <= 0:
+            return choice
+        # Every explore_every-th speculating step runs a neighbouring k (up and down by turns): a policy that
+        # keeps one k per batch size would show the calibration one column only, and a machine can differ from
+        # its profile in what each drafted token and forward costs (contexts longer than the profiling
+        # prompts', a slower draft), which only two columns measure. Costs a few percent of steps near the best k.
+        self._chosen += 1
+        if self._chosen % self.explore_every:
+            return choice
+        up = (self._chosen // self.explore_every) % 2 == 1
+        alt = choice + 1 if up else choice - 1
+        if not 1 <= alt <= min(state.max_k, max(self.profile.latency.ks)):
+            alt = choice - 1 if up else choice + 1
+        return alt if 1 <= alt <= min(state.max_k, max(self.profile.latency.ks)) else choice
 
     def observe(self, stats: StepStats) -> None:
         self.inner.observe(stats)
+        if self.live is not None:
+            self.live.observe(stats)
         if self.calibration.observe(stats):
             self._since += 1
             if self._since >= self.refresh_every:
@@ -190,14 +216,21 @@ class Calibrated:
         elif hasattr(self.inner, "grid"):  # adaptive: goodput from the calibrated latencies
             self.inner.grid = grid
             self.inner._step_ms.clear()
-        elif self.profile.acceptance:  # lut: the paper's table, from the calibrated grid
-            table = best_k_table(grid, self.profile.acceptance)
-            self.inner.best_k.update(table)
+        elif self.profile.acceptance:  # lut: the paper's table, from the calibrated grid and live acceptance
+            acceptance = self.profile.acceptance
+            if self.live is not None:  # the profile's per-position shape, scaled to the live per-token rate
+                r = self.live.value / self.profile.acceptance_rate if self.profile.acceptance_rate else 1.0
+                acceptance = [min(a * r ** (j + 1), 1.0) for j, a in enumerate(acceptance)]
+            self.inner.best_k.update(best_k_table(grid, acceptance))
 
     def __getattr__(self, name):  # acceptance_estimate and the like: the inner policy's
         if name == "inner":  # not set yet (copying, unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+def _is_table(policy) -> bool:
+    return isinstance(policy, LookupTable)
 
 
 def calibrated(policy, profile):

@@ -1,0 +1,81 @@
+"""A short profile measured at startup, on the engine that will serve (`EngineConfig.startup_profile`).
+
+A profile measured on another machine of the type can be 20-35% off (more where contexts differ from the
+profiling prompts'), and calibration needs a few hundred steps of real traffic to correct it. A replica
+whose store holds no profile measured on its own machine can instead spend a few seconds before serving:
+a few batch sizes and k, two rounds of two steps per cell, on its own workers (local or Ray actors alike:
+it only drives `Engine.step`), and the draft's acceptance per position at the largest k. The result is a
+`measured` profile of this machine that the replica steers by (and calibrates further); it is not pushed
+to the store, where it would replace the type's full profile for every machine.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import time
+
+from serve_app.bench.prompt_sets import PROFILE_PROMPTS, chat_prompts
+from serve_app.config import SamplingParams
+from serve_app.engine.policy import FixedK
+from serve_app.profiling.profiles import LatencyGrid, Profile, best_k_table, fit_acceptance_rate
+
+BATCH_SIZES = (1, 4, 16)
+"""Batch sizes of a startup profile (clipped to the engine's max_batch_size); policies interpolate between."""
+KS = (0, 1, 2, 4)
+"""Speculation lengths of a startup profile (clipped to the engine's max_k)."""
+
+
+def short_profile(engine, gpu_type: str, target: str, draft: str, dtype: str, rounds: int = 2,
+                  batch_sizes: tuple[int, ...] = BATCH_SIZES, ks: tuple[int, ...] = KS) -> Profile:
+    """Measure a small latency grid and the acceptance per position on `engine` (idle: nothing else
+    running), then leave it as it was (its policy, no requests). `notes` records what it cost."""
+    t0 = time.perf_counter()
+    sizes = sorted({min(b, engine.config.max_batch_size) for b in batch_sizes})
+    ks = sorted({k for k in ks if k <= engine.config.max_k} | {0})
+    if len(ks) < 2:
+        raise ValueError("a startup profile needs max_k >= 1")
+    prompts = chat_prompts(engine.tokenizer, PROFILE_PROMPTS, max(sizes))
+    per_round = 2 * sum(k + 1 for k in ks) + 2
+    seen = []
+    engine.on_step.append(seen.append)
+    policy = engine.policy
+    parts = {"draft_ms": [], "verify_ms": [], "other_ms": []}
+    accepted, rows, contexts = [0] * max(ks), 0, []
+    try:
+        for b in sizes:
+            samples = {k: [] for k in ks}
+            for r in range(rounds + 1):  # the first round warms up (first calls at this shape): not recorded
+                reqs = [engine.submit(prompts[(r * b + j) % len(prompts)],
+                                      SamplingParams(max_tokens=per_round, ignore_eos=True)) for j in range(b)]
+                engine.policy = FixedK(0)
+                while any(q.stats.generated_tokens == 0 for q in reqs):  # prefill (in chunks)
+                    engine.step()
+                for k in ks:  # two steps per k: the first pays for switching, the second is the cell
+                    engine.policy = FixedK(k)
+                    engine.step()
+                    engine.step()
+                    if r:
+                        samples[k].append(seen[-1])
+                        contexts.append(statistics.fmean(len(q.prompt_ids) + q.stats.generated_tokens for q in reqs))
+                for q in reqs:
+                    engine.abort(q)
+                engine.step()  # drops them
+            for name, attr in (("draft_ms", "draft_s"), ("verify_ms", "verify_s"), ("other_ms", "other_s")):
+                parts[name].append([round(statistics.median(getattr(s, attr) for s in samples[k]) * 1000, 3) for k in ks])
+            for st in samples[max(ks)]:
+                rows += st.batch_size
+                for j, n in enumerate(st.accepted_per_position):
+                    accepted[j] += n
+    finally:
+        engine.on_step.remove(seen.append)
+        engine.policy = policy
+    grid = LatencyGrid(batch_sizes=sizes, ks=ks, context_tokens=max(1, round(statistics.fmean(contexts))), **parts)
+    acceptance = [round(a / rows, 4) for a in accepted]
+    seconds = time.perf_counter() - t0
+    return Profile(gpu_type=gpu_type, target=target, draft=draft, dtype=dtype, latency=grid, acceptance=acceptance,
+                   acceptance_rate=round(fit_acceptance_rate(acceptance), 4), best_k=best_k_table(grid, acceptance),
+                   machine=socket.gethostname(),
+                   notes=f"startup profile: measured in {seconds:.1f} s on the serving engine before it served; batch "
+                         f"sizes {sizes}, k {ks}, {rounds} rounds after a warm-up round, the second of two steps per "
+                         f"cell; acceptance at k={max(ks)} over {rows} rows")
