@@ -75,9 +75,9 @@ class Router:
         self.machine = socket.gethostname()
         self.shared = await self._fetch_shared()  # a calibrated profile another replica of this type shared
         self._polls = 0
-        self.engine = Engine(target, draft, load_tokenizer(mc.target), self.engine_config, self._policy())
         self.local: Profile | None = None  # a startup profile of this machine (EngineConfig.startup_profile)
-        self.startup: dict | None = None
+        self.startup: dict | None = None  # what it cost and found, for stats()
+        self.engine = Engine(target, draft, load_tokenizer(mc.target), self.engine_config, self._policy())
         if self.engine_config.startup_profile and has_draft and not self._measured_here():
             await asyncio.to_thread(self._startup_profile)
         self.engine.on_step.append(self._on_step)
@@ -234,13 +234,12 @@ class Router:
         spec, self.profile_problem = self.engine_config.policy, None
         if needs_profile(spec):
             try:
-                local = getattr(self, "local", None)  # a startup profile (set once the engine exists)
-                if self.profile is None and local is None:
+                if self.profile is None and self.local is None:
                     raise ValueError(f"no profile for hardware type {self.gpu_type} yet")
                 # a measured profile of this machine; else its startup profile; else one another replica of the
                 # type calibrated and shared; else the held one
-                if local is not None and not self._measured_here():
-                    base = local
+                if self.local is not None and not self._measured_here():
+                    base = self.local
                 elif self.engine_config.calibrate:
                     base = steering_profile(self.profile, self.shared, self.machine)
                 else:

@@ -141,8 +141,8 @@ class Budget:
 
     name = "budget"
 
-    def __init__(self, grid: LatencyGrid, acceptance_rate: float, probe_every: int = 16, model_depth: bool = True):
-        self.grid, self.probe_every, self.model_depth = grid, probe_every, model_depth
+    def __init__(self, grid: LatencyGrid, acceptance_rate: float, probe_every: int = 16):
+        self.grid, self.probe_every = grid, probe_every
         self.a, self.a_trials = acceptance_rate * 128.0, 128.0  # per-token acceptance (the step's worth)
         self.curve = ConfidenceCurve()
         # a copied token's confidence is its matched suffix's length: the prior is the bin's own value too
@@ -193,7 +193,7 @@ class Budget:
                          row_value=rate * p.forward_row_ms,
                          scale=[r.scale for r in recs], curve=self.curve.values(), explore=probe,
                          lookup_curve=self.lookup_curve.values(),
-                         model_depth=max(k_uniform, 1) if self.model_depth else None)
+                         model_depth=max(k_uniform, 1))
 
     def worth_it(self, b: int, max_k: int, scales: list[float], rate: float, p: Prices) -> bool:
         """Whether speculating at all pays this step: for some depth d, the rows' expected accepted tokens

@@ -179,8 +179,8 @@ class Calibrated:
         self._since = 0
         # lut's table is the paper's (batch size -> k), but priced with the acceptance this replica sees, not
         # only the profiling prompts': a workload whose draft agrees less than the profile's wants smaller k
-        self.live = AcceptanceEstimate(profile.acceptance_rate) if _is_table(inner) and profile.acceptance_rate \
-            else None
+        self.live = AcceptanceEstimate(profile.acceptance_rate) \
+            if isinstance(inner, LookupTable) and profile.acceptance_rate else None
 
     def choose(self, state):
         choice = self.inner.choose(state)
@@ -193,11 +193,12 @@ class Calibrated:
         self._chosen += 1
         if self._chosen % self.explore_every:
             return choice
-        up = (self._chosen // self.explore_every) % 2 == 1
-        alt = choice + 1 if up else choice - 1
-        if not 1 <= alt <= min(state.max_k, max(self.profile.latency.ks)):
-            alt = choice - 1 if up else choice + 1
-        return alt if 1 <= alt <= min(state.max_k, max(self.profile.latency.ks)) else choice
+        top = min(state.max_k, max(self.profile.latency.ks))
+        step = 1 if (self._chosen // self.explore_every) % 2 else -1  # up and down by turns
+        for alt in (choice + step, choice - step):
+            if 1 <= alt <= top:
+                return alt
+        return choice
 
     def observe(self, stats: StepStats) -> None:
         self.inner.observe(stats)
@@ -227,10 +228,6 @@ class Calibrated:
         if name == "inner":  # not set yet (copying, unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.inner, name)
-
-
-def _is_table(policy) -> bool:
-    return isinstance(policy, LookupTable)
 
 
 def calibrated(policy, profile):
