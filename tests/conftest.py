@@ -53,6 +53,39 @@ def tiny_llama(vocab_size: int, layers: int = 2, seed: int = 0, dtype=torch.floa
     return model
 
 
+def sharp_pair(vocab: int, sharpen: float):
+    """A 2-layer target and a 1-layer draft over a tiny vocabulary, their heads scaled by `sharpen`: random tiny
+    models are near-uniform, sharpened they differ clearly (what a sampling-exactness check needs)."""
+    target, draft = tiny_llama(vocab, layers=2, seed=10), tiny_llama(vocab, layers=1, seed=11)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(sharpen)
+        draft.lm_head.weight.mul_(sharpen)
+    return target, draft
+
+
+def exact_marginals(model, prompt: list[int], vocab: int):
+    """The exact distributions of the 2nd and 3rd sampled tokens after `prompt` (temperature 1), summed over
+    every first and second token."""
+    def dist(prefix):
+        with torch.no_grad():
+            return model(torch.tensor([prefix])).logits[0, -1].softmax(-1)
+
+    p1 = dist(prompt)
+    p2 = {a: dist(prompt + [a]) for a in range(vocab)}
+    m2 = sum(p1[a] * p2[a] for a in range(vocab))
+    m3 = sum(p1[a] * p2[a][b] * dist(prompt + [a, b]) for a in range(vocab) for b in range(vocab))
+    return m2, m3
+
+
+def assert_marginals(reqs, t2, t3, vocab: int, tol: float = 0.04) -> None:
+    """The requests' 2nd and 3rd tokens follow t2 and t3 within `tol` total variation."""
+    n = len(reqs)
+    f2 = torch.bincount(torch.tensor([r.output_ids[1] for r in reqs]), minlength=vocab).double() / n
+    f3 = torch.bincount(torch.tensor([r.output_ids[2] for r in reqs]), minlength=vocab).double() / n
+    assert (f2 - t2).abs().sum() / 2 < tol, (f2, t2)
+    assert (f3 - t3).abs().sum() / 2 < tol, (f3, t3)
+
+
 def perturbed(model, scale: float, seed: int = 1):
     """A copy of model with small noise: a draft that agrees often but not always."""
     torch.manual_seed(seed)

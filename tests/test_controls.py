@@ -5,7 +5,7 @@ the same at any k, sampling exact; and the pure `Controls` against a dense refer
 import pytest
 import torch
 
-from conftest import IdTokenizer, tiny_llama
+from conftest import IdTokenizer, assert_marginals, sharp_pair, tiny_llama
 from serve_app.config import EngineConfig, SamplingParams
 from serve_app.engine.controls import Controls
 from serve_app.engine.scheduler import Engine
@@ -153,11 +153,7 @@ def test_sampling_with_controls_follows_the_controlled_target_distribution():
     """Tokens 2 and 3 (decided by draft + rejection sampling with penalties counting the drafts before
     them) match the exact marginals of the target under the same controls."""
     vocab, trials = 6, 2400
-    target = tiny_llama(vocab, layers=2, seed=10)
-    draft = tiny_llama(vocab, layers=1, seed=11)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(30)
-        draft.lm_head.weight.mul_(30)
+    target, draft = sharp_pair(vocab, 30)
     prompt = [1, 2, 3]
     p = SamplingParams(max_tokens=3, temperature=1.0, frequency_penalty=1.2, presence_penalty=0.4,
                        repetition_penalty=1.3, logit_bias={0: 1.0}, min_p=0.3)
@@ -176,10 +172,7 @@ def test_sampling_with_controls_follows_the_controlled_target_distribution():
     reqs = [engine.submit(prompt, p) for _ in range(trials)]
     engine.run(reqs)
     assert sum(r.stats.accepted for r in reqs) > 0.05 * sum(r.stats.proposed for r in reqs)
-    f2 = torch.bincount(torch.tensor([r.output_ids[1] for r in reqs]), minlength=vocab).double() / trials
-    f3 = torch.bincount(torch.tensor([r.output_ids[2] for r in reqs]), minlength=vocab).double() / trials
-    assert (f2 - t2).abs().sum() / 2 < 0.045, (f2, t2)
-    assert (f3 - t3).abs().sum() / 2 < 0.045, (f3, t3)
+    assert_marginals(reqs, t2, t3, vocab, tol=0.045)
     plain = SamplingParams(max_tokens=3, temperature=1.0)
     with torch.no_grad():  # without the controls the law is measurably different: the check has power
         u2 = sum(target(torch.tensor([prompt])).logits[0, -1].softmax(-1)[a]

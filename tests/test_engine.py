@@ -6,7 +6,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from conftest import IdTokenizer, tiny_llama
+from conftest import IdTokenizer, assert_marginals, exact_marginals, sharp_pair, tiny_llama
 from serve_app.config import EngineConfig, SamplingParams
 from serve_app.engine.scheduler import Engine
 from serve_app.engine.worker import ModelWorker
@@ -207,34 +207,15 @@ def test_seeded_sampling_is_reproducible_across_batch_mixes(tiny_target, tiny_dr
 def test_speculative_sampling_follows_target_distribution():
     """Tokens 2 and 3 (decided by draft + rejection sampling) match the target's exact marginals."""
     vocab, trials = 6, 3000
-    target = tiny_llama(vocab, layers=2, seed=10)
-    draft = tiny_llama(vocab, layers=1, seed=11)
-    with torch.no_grad():  # random tiny models are near-uniform; sharpen them so they differ clearly
-        target.lm_head.weight.mul_(40)
-        draft.lm_head.weight.mul_(40)
+    target, draft = sharp_pair(vocab, 40)
     prompt = [1, 2, 3]
-
-    def dist(model, prefix):
-        with torch.no_grad():
-            return model(torch.tensor([prefix])).logits[0, -1].softmax(-1)
-
-    def marginals(model):
-        p1 = dist(model, prompt)
-        p2 = {a: dist(model, prompt + [a]) for a in range(vocab)}
-        m2 = sum(p1[a] * p2[a] for a in range(vocab))
-        m3 = sum(p1[a] * p2[a][b] * dist(model, prompt + [a, b]) for a in range(vocab) for b in range(vocab))
-        return m2, m3
-
-    t2, t3 = marginals(target)
-    d2, _ = marginals(draft)
+    t2, t3 = exact_marginals(target, prompt, vocab)
+    d2, _ = exact_marginals(draft, prompt, vocab)
     engine = make_engine(target, draft, "fixed:3", max_batch_size=64, max_num_tokens=100_000)
     reqs = [engine.submit(prompt, SamplingParams(max_tokens=3, temperature=1.0, seed=s)) for s in range(trials)]
     engine.run(reqs)
     assert sum(r.stats.accepted for r in reqs) > 0.05 * sum(r.stats.proposed for r in reqs)  # drafts really were accepted
-    f2 = torch.bincount(torch.tensor([r.output_ids[1] for r in reqs]), minlength=vocab).double() / trials
-    f3 = torch.bincount(torch.tensor([r.output_ids[2] for r in reqs]), minlength=vocab).double() / trials
-    assert (f2 - t2).abs().sum() / 2 < 0.04, (f2, t2)
-    assert (f3 - t3).abs().sum() / 2 < 0.04, (f3, t3)
+    assert_marginals(reqs, t2, t3, vocab)
     assert (d2 - t2).abs().sum() / 2 > 0.08  # the draft alone is measurably off: the check has power
 
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from conftest import IdTokenizer, tiny_llama
+from conftest import IdTokenizer, assert_marginals, exact_marginals, sharp_pair, tiny_llama
 from serve_app.config import EngineConfig, SamplingParams
 from serve_app.drafting import draft_worker
 from serve_app.drafting.eagle3 import Eagle3Draft
@@ -104,21 +104,9 @@ def test_seeded_text_is_the_same_at_any_per_row_length(tiny_target, drafts, kind
 def test_sampling_stays_exact_when_rows_stop_on_the_drafts_confidence():
     """Tokens 2 and 3, decided by drafts whose lengths follow the draft's confidence, keep the target's marginals."""
     vocab, trials = 6, 3000
-    target = tiny_llama(vocab, layers=2, seed=10)
-    draft = tiny_llama(vocab, layers=1, seed=11)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(40)
-        draft.lm_head.weight.mul_(40)
+    target, draft = sharp_pair(vocab, 40)
     prompt = [1, 2, 3]
-
-    def dist(model, prefix):
-        with torch.no_grad():
-            return model(torch.tensor([prefix])).logits[0, -1].softmax(-1)
-
-    p1 = dist(target, prompt)
-    p2 = {a: dist(target, prompt + [a]) for a in range(vocab)}
-    t2 = sum(p1[a] * p2[a] for a in range(vocab))
-    t3 = sum(p1[a] * p2[a][b] * dist(target, prompt + [a, b]) for a in range(vocab) for b in range(vocab))
+    t2, t3 = exact_marginals(target, prompt, vocab)
 
     class Confident:  # rows draft on while the draft's confidence holds: lengths depend on the draft's state
         name = "confident"
@@ -136,10 +124,7 @@ def test_sampling_stays_exact_when_rows_stop_on_the_drafts_confidence():
     engine.run(reqs)
     assert len(set(lengths)) >= 3  # the confidence really made rows differ
     assert sum(r.stats.accepted for r in reqs) > 0.05 * sum(r.stats.proposed for r in reqs)
-    f2 = torch.bincount(torch.tensor([r.output_ids[1] for r in reqs]), minlength=vocab).double() / trials
-    f3 = torch.bincount(torch.tensor([r.output_ids[2] for r in reqs]), minlength=vocab).double() / trials
-    assert (f2 - t2).abs().sum() / 2 < 0.04, (f2, t2)
-    assert (f3 - t3).abs().sum() / 2 < 0.04, (f3, t3)
+    assert_marginals(reqs, t2, t3, vocab)
 
 
 def test_walk_gives_rows_past_their_length_the_bonus_token():
