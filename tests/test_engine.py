@@ -6,7 +6,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from conftest import IdTokenizer, assert_marginals, exact_marginals, sharp_pair, tiny_llama
+from conftest import IdTokenizer, assert_marginals, exact_marginals, sharp_pair
 from serve_app.config import EngineConfig, SamplingParams
 from serve_app.engine.scheduler import Engine
 from serve_app.engine.worker import ModelWorker
