@@ -13,6 +13,7 @@ replacement loads, a dead draft only turns speculation off (k = 0) until its rep
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
 import contextvars
 import itertools
@@ -404,7 +405,7 @@ class Router:
                 self.m_accepted.inc(st.accepted)
             self.observed.observe(st)
             if not st.prefill_tokens:
-                self.recent.append(st)
+                self.recent.append(dataclasses.replace(st, rows=None))  # not its per-row lists: 2,048 steps at batch 64
             if st.k:
                 self.m_estimate.set(self.acceptance_estimate())
             if self.k_tally.total() % 64 == 0:

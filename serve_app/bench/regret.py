@@ -50,13 +50,12 @@ def fixed_rates(runs: dict[str, list]) -> dict[int, dict[str, float]]:
 
 
 def grid_rates(grid, acceptance: list[float]) -> dict[int, dict[str, float]]:
-    """Per group, tokens per ms of each k from a latency grid and acceptance per draft position."""
-    from serve_app.profiling.profiles import ms_per_token
-
-    table = ms_per_token(grid, acceptance)
+    """Per group, tokens per ms of each k from a latency grid (linear between its batch sizes, so every group
+    has a reference however few sizes the grid measured) and acceptance per draft position."""
     out: dict[int, dict[str, float]] = {}
-    for b, row in zip(grid.batch_sizes, table):
-        out[group(b)] = {("none" if k == 0 else f"fixed:{k}"): 1.0 / ms for k, ms in zip(grid.ks, row) if ms < float("inf")}
+    for g in GROUPS:
+        out[g] = {("none" if k == 0 else f"fixed:{k}"): g * (1 + sum(acceptance[:k])) / ms
+                  for k, ms in zip(grid.ks, grid.step_ms(g)) if k <= len(acceptance) and ms > 0}
     return out
 
 
