@@ -46,11 +46,16 @@ class ProfileStore:
         self.calibrated.pop(prof.gpu_type, None)
         return self.versions[prof.gpu_type]
 
-    def share(self, profile: dict) -> int:
-        """A Router replica's calibrated profile for its type (the newest replaces the last); its version."""
+    def share(self, profile: dict, base_version: int | None = None) -> int:
+        """A Router replica's calibrated profile for its type (the newest replaces the last); its version.
+        `base_version`, the version of the profile it was calibrated against: a share made against a
+        profile that has since been replaced is dropped (0), else a push racing a Router's share would
+        leave the old calibration beside the new measurement."""
         prof = Profile.model_validate(profile)
         if prof.source != "calibrated":
             raise ValueError("share takes a calibrated profile; push measured or predicted ones")
+        if base_version is not None and base_version != self.versions.get(prof.gpu_type, 0):
+            return 0
         version = self.calibrated.get(prof.gpu_type, (0, None))[0] + 1
         self.calibrated[prof.gpu_type] = (version, prof)
         return version

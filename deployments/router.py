@@ -208,7 +208,7 @@ class Router:
         if not isinstance(policy, Calibrated) or policy.calibration.used < 64 or policy.calibration.drift() < 0.05:
             return
         shared = calibrated_profile(policy.profile, policy.calibration, self.machine)
-        await self.store.share.remote(shared.model_dump())
+        await self.store.share.remote(shared.model_dump(), self.profile_version)
 
     def _measured_here(self) -> bool:
         return self.profile is not None and self.profile.source == "measured" and self.profile.machine == self.machine

@@ -172,6 +172,9 @@ def test_profile_store_keeps_a_shared_calibration_beside_the_measured_profile_un
     with pytest.raises(ValueError):
         store.share(measured)
     assert store.push(measured) == 2 and store.get_calibrated("sim") == (0, None)  # what it corrected is gone
+    # a share calibrated against version 1, arriving after the push of version 2, is stale and dropped
+    assert store.share(shared, base_version=1) == 0 and store.get_calibrated("sim") == (0, None)
+    assert store.share(shared, base_version=2) == 1
 
 
 def test_a_machine_whose_drafted_tokens_cost_differently_is_priced_at_every_k_from_two():
