@@ -10,6 +10,7 @@ the tokens already received as context (`RouterStream`). `drain()` stops admitti
 
 import asyncio
 import hmac
+import importlib.metadata
 import json
 import logging
 import os
@@ -17,24 +18,30 @@ import re
 import time
 import uuid
 import weakref
+from dataclasses import dataclass
 from typing import Any, Literal
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from ray import serve
 
 from serve_app import tools as toolcalls
 from serve_app.config import StructuredOutput
 from serve_app.models import load_tokenizer
-from serve_app.prompts import check_text, encode_chat, encode_prompt
+from serve_app.prompts import RESERVED_TEMPLATE_VARS, ChatTemplating, check_text, encode_chat, encode_prompt, message_text
 
 from . import openai_fields
 
 app = FastAPI(title="specserve", description="OpenAI-compatible speculative decoding server")
 log = logging.getLogger("ray.serve")
+try:
+    SERVER_VERSION = importlib.metadata.version("specserve")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+    SERVER_VERSION = "0+unknown"
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                429: "rate_limit_error", 503: "service_unavailable"}
@@ -268,6 +275,9 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = None
     """OpenAI pads its stream chunks against side channels; accepted, nothing is padded here."""
 
+    continuous_usage_stats: bool | None = None
+    """vLLM's: every chunk carries the usage so far (with include_usage)."""
+
 
 class VllmStructuredOutputs(BaseModel):
     """vLLM's `structured_outputs`: exactly one constraint on the output."""
@@ -387,11 +397,48 @@ class SamplingFields(BaseModel):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     """Keep only tokens at least min_p times as likely as the most likely one; 0 or null keeps all."""
 
-    skip_special_tokens: bool | None = None
-    """Refused unless true or null (special tokens are always left out)."""
+    skip_special_tokens: bool = True
+    """Special tokens are left out of the text; false keeps them (an end-of-sequence marker, chat markers)."""
 
     spaces_between_special_tokens: bool | None = None
     """Refused unless true or null."""
+
+    include_stop_str_in_output: bool = False
+    """The stop string that ended the output stays at the end of its text."""
+
+    allowed_token_ids: list[int] | None = None
+    """Only these token ids may be generated (beside logit_bias)."""
+
+    priority: int = Field(0, ge=-(2**31), lt=2**31)
+    """Admission order while requests wait: lower first (vLLM's meaning); FIFO within a priority."""
+
+    request_id: str | None = Field(None, min_length=1, max_length=256)
+    """The request's id, in the response's id (default: the X-Request-Id header's, or a new one)."""
+
+    return_tokens_as_token_ids: bool = False
+    """Logprobs name their tokens "token_id:<id>" rather than by their text (text that is not valid UTF-8 alone)."""
+
+    return_token_ids: bool = False
+    """The response carries the prompt's token ids and each choice's generated token ids."""
+
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    """Prefix-cache entries are shared only between requests with the same salt (tenants kept apart)."""
+
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    """Keep only the prompt's last this-many tokens (-1: as many as the context limit leaves room for)."""
+
+    add_special_tokens: bool | None = None
+    """Let the tokenizer add its special tokens (BOS) to the prompt; default true for completions, false for
+    chat (the chat template writes its own)."""
+
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    """The prompt tokens' log-probabilities with this many alternatives (vLLM's `prompt_logprobs` field)."""
+
+    length_penalty: float | None = None
+    """Beam search's length penalty: accepted without effect (openai_fields.VLLM_NO_EFFECT)."""
+
+    use_beam_search: bool | None = None
+    """Refused unless false or null: beam search is not implemented here."""
 
 
 class CompletionRequest(SamplingFields):
@@ -495,7 +542,24 @@ class ChatRequest(SamplingFields):
     """OpenAI's prompt cache lifetime."""
 
     prediction: dict | None = None
-    """Predicted output: a latency hint, the answer is the same without it."""
+    """Predicted Outputs: {"type": "content", "content": text or text parts}, the text the answer mostly repeats;
+    drafted from directly (fewer target steps), the answer is the same without it."""
+
+    # ---- vLLM's chat extras: how the messages become the prompt (prompts.ChatTemplating) ----
+    chat_template: str | None = None
+    """A Jinja chat template to use instead of the model's."""
+
+    chat_template_kwargs: dict | None = None
+    """Extra variables for the chat template (Qwen3's enable_thinking, ...)."""
+
+    add_generation_prompt: bool = True
+    """End the prompt with the opening of the assistant's turn."""
+
+    continue_final_message: bool = False
+    """Leave the last (assistant) message open so the answer continues it (with add_generation_prompt false)."""
+
+    documents: list[dict] | None = None
+    """Documents for chat templates that render them (retrieval-augmented generation)."""
 
     # ---- refused unless they ask for nothing (openai_fields.REFUSED) ----
     audio: Any = None
@@ -613,11 +677,44 @@ def _joined(first: dict | None, then: dict | None) -> dict | None:
     return {key: first[key] + then[key] for key in first}
 
 
-def _usage(n_prompt: int, n_out: int, cached: int) -> dict:
+def _usage(n_prompt: int, n_out: int, cached: int, predicted: dict | None = None) -> dict:
     """OpenAI's usage object; cached_tokens: prompt tokens whose KV came from the prefix cache (the
-    prompt is shared by a request's choices: the largest of theirs)."""
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    prompt is shared by a request's choices: the largest of theirs); predicted: with a prediction, its
+    accepted and rejected token counts over the choices."""
+    usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+             "prompt_tokens_details": {"cached_tokens": cached}}
+    if predicted is not None:
+        usage["completion_tokens_details"] = dict(predicted)
+    return usage
+
+
+PREDICTION_COUNTS = ("accepted_prediction_tokens", "rejected_prediction_tokens")
+
+
+def _add_prediction(total: dict | None, stats: dict | None) -> dict | None:
+    """A finished choice's prediction counts (its final event's stats) added to the request's."""
+    if total is None:
+        return None
+    for key in PREDICTION_COUNTS:
+        total[key] += (stats or {}).get(key, 0)
+    return total
+
+
+@dataclass
+class Shape:
+    """vLLM's extras that shape a request's answer, not its generation."""
+
+    as_ids: bool = False
+    """return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"."""
+    prompt_ids: list[list[int]] | None = None
+    """return_token_ids: each choice's prompt ids (its generated ids go beside its text)."""
+    prompt_logprobs: bool | list = False
+    """prompt_logprobs: the prompt tokens' logprobs are asked for; once the first events came, per choice
+    in vLLM's shape."""
+    continuous_usage: bool = False
+    """stream_options.continuous_usage_stats: usage in every streamed chunk."""
+    prediction: bool = False
+    """A prediction was given: usage reports its accepted and rejected tokens."""
 
 
 def render_metrics(snapshots: dict[str, dict], model_name: str) -> str:
@@ -708,6 +805,23 @@ class OpenAIIngress:
         body = {"status": "ready" if ready else ("draining" if self.draining else "not ready"), "groups": groups}
         return JSONResponse(body, status_code=200 if ready else 503)
 
+    @app.get("/health")
+    async def health(self):
+        """vLLM's, SGLang's and TGI's health check (load tools and probes call it): 200 with an empty body while
+        this server can serve requests, 503 (the reason in its body) while it cannot (see /readyz)."""
+        ready = await self.readyz()
+        return Response(status_code=200) if ready.status_code == 200 else ready
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping(self):
+        """SageMaker's health check, as vLLM serves it: the same as /health."""
+        return await self.health()
+
+    @app.get("/version")
+    async def version(self):
+        """The server's version, as vLLM reports its own."""
+        return {"version": SERVER_VERSION}
+
     async def drain(self) -> int:
         """Stop admitting new requests (503 + Retry-After, readiness false); returns requests in flight."""
         self.draining = True  # async: runs on the loop that owns the counts, like the handlers
@@ -735,10 +849,12 @@ class OpenAIIngress:
     async def completions(self, body: CompletionRequest, request: Request):
         self._auth(request)
         self._refuse_unsupported(body, "completions")
-        prompts = self._completion_prompts(body.prompt)
+        prompts = self._completion_prompts(body.prompt, body.add_special_tokens is not False)
+        truncated = body.truncate_prompt_tokens is not None
+        prompts = [await self._truncated(ids, body) for ids in prompts]
         echo = None
         if body.echo:  # each prompt's own text where the client sent text, else its tokens' text; one per choice
-            if isinstance(body.prompt, str) or isinstance(body.prompt[0], str):
+            if (isinstance(body.prompt, str) or isinstance(body.prompt[0], str)) and not truncated:
                 texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
             else:
                 texts = [self.tokenizer.decode(ids) for ids in prompts]
@@ -753,12 +869,27 @@ class OpenAIIngress:
         rendered = None  # tools go to a template that renders them, unless no call may be made
         if choice.mode != "none" and toolcalls.template_supports_tools(self.tokenizer):
             rendered = [{"type": "function", "function": t} for t in choice.tools]
+        kwargs = body.chat_template_kwargs or {}
+        if reserved := sorted(RESERVED_TEMPLATE_VARS & set(kwargs)):
+            raise APIError(400, f"chat_template_kwargs: {', '.join(reserved)} are set by the server, not here",
+                           "chat_template_kwargs", "invalid_value")
+        if body.continue_final_message and (body.add_generation_prompt or not body.messages
+                                            or body.messages[-1].role != "assistant"):
+            raise APIError(400, "continue_final_message: continues a last assistant message, with add_generation_prompt "
+                           "false", "continue_final_message", "invalid_value")
+        templating = ChatTemplating(body.chat_template, kwargs, body.add_generation_prompt, body.continue_final_message,
+                                    body.documents, bool(body.add_special_tokens))
         try:
-            ids = encode_chat(self.tokenizer, [m.model_dump(exclude_none=True) for m in body.messages], tools=rendered)
+            ids = encode_chat(self.tokenizer, [m.model_dump(exclude_none=True) for m in body.messages], tools=rendered,
+                              templating=templating)
         except toolcalls.ToolError as e:
             raise APIError(400, str(e), e.param, "invalid_value") from None
+        except jinja2.TemplateError as e:  # a request's own template, or its variables, broke rendering
+            field = "chat_template" if body.chat_template is not None else "chat_template_kwargs"
+            raise APIError(400, f"{field}: the chat template failed to render: {e}", field, "invalid_value") from None
         except ValueError as e:
             raise APIError(400, str(e), "messages", "invalid_value") from None
+        ids = await self._truncated(ids, body)
         return await self._respond(request, body, [ids], body.max_completion_tokens or body.max_tokens or 256, chat=True,
                                    tools=choice)
 
@@ -812,25 +943,50 @@ class OpenAIIngress:
                 return None
         return self._model_len
 
-    def _encode(self, prompt=None, messages=None) -> list[int]:
+    def _encode(self, prompt=None, messages=None, add_special_tokens: bool = True) -> list[int]:
         try:
-            return encode_prompt(self.tokenizer, prompt, messages)
+            return encode_prompt(self.tokenizer, prompt, messages, add_special_tokens)
         except ValueError as e:
             raise APIError(400, str(e), "messages" if messages is not None else "prompt", "invalid_value") from None
 
-    def _completion_prompts(self, prompt) -> list[list[int]]:
+    def _completion_prompts(self, prompt, add_special_tokens: bool = True) -> list[list[int]]:
         """One list of token ids per prompt: a string, strings, token ids, or lists of token ids."""
         if isinstance(prompt, str):
-            return [self._encode(prompt=prompt)]
+            return [self._encode(prompt=prompt, add_special_tokens=add_special_tokens)]
         if not prompt:
             raise APIError(400, "prompt: an empty list", "prompt", "invalid_value")
         if isinstance(prompt[0], int):
             return [list(prompt)]
         if isinstance(prompt[0], str):
-            return [self._encode(prompt=p) for p in prompt]
+            return [self._encode(prompt=p, add_special_tokens=add_special_tokens) for p in prompt]
         if any(not ids for ids in prompt):
             raise APIError(400, "prompt: an empty list of token ids", "prompt", "invalid_value")
         return [list(ids) for ids in prompt]
+
+    async def _truncated(self, ids: list[int], body: SamplingFields) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (-1: what the context limit leaves room for)."""
+        keep = body.truncate_prompt_tokens
+        if keep == -1:
+            keep = (await self._max_model_len() or len(ids) + 1) - 1
+        if keep is None or len(ids) <= keep:
+            return ids
+        if keep == 0:
+            raise APIError(400, "truncate_prompt_tokens: 0 would leave no prompt", "truncate_prompt_tokens", "invalid_value")
+        return ids[len(ids) - keep :]
+
+    def _prediction(self, body: SamplingFields) -> list[int]:
+        """Predicted Outputs' token ids ({"type": "content", "content": text or text parts}); [] without one."""
+        pred = getattr(body, "prediction", None)
+        if pred is None:
+            return []
+        if pred.get("type") != "content" or set(pred) - {"type", "content"}:
+            raise APIError(400, 'prediction: {"type": "content", "content": ...} is the one kind of prediction',
+                           "prediction", "invalid_value")
+        try:
+            text = message_text(pred.get("content"), "prediction.content")
+        except ValueError as e:
+            raise APIError(400, str(e), "prediction", "invalid_value") from None
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 
     def _logprobs(self, body: SamplingFields) -> int | None:
         """How many alternatives per token to return log-probabilities for (None: no log-probabilities).
@@ -861,7 +1017,25 @@ class OpenAIIngress:
             raise APIError(400, str(e), "stop", "invalid_value") from None
         params = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
                   "top_k": max(body.top_k, 0), "seed": body.seed, "stop": stop, "logprobs": logprobs}
-        return params | self._controls(body, max_tokens, logprobs, tools)
+        return params | self._controls(body, max_tokens, logprobs, tools) | self._extras(body)
+
+    def _extras(self, body: SamplingFields) -> dict:
+        """vLLM's extras that change how the engine serves the request, only those the request sets."""
+        out: dict = {}
+        for name, off in (("include_stop_str_in_output", False), ("skip_special_tokens", True), ("priority", 0),
+                          ("cache_salt", None)):
+            if getattr(body, name) != off:
+                out[name] = getattr(body, name)
+        if body.allowed_token_ids is not None:
+            vocab = len(self.tokenizer)
+            if not body.allowed_token_ids or any(not 0 <= t < vocab for t in body.allowed_token_ids):
+                raise APIError(400, f"allowed_token_ids: a non-empty list of ids in [0, {vocab})", "allowed_token_ids",
+                               "invalid_value")
+            out["allowed_token_ids"] = sorted(set(body.allowed_token_ids))
+        prediction = self._prediction(body)
+        if prediction:
+            out["predicted_output"] = prediction
+        return out
 
     def _controls(self, body: SamplingFields, max_tokens: int, logprobs: int | None, tools: toolcalls.Choice | None) -> dict:
         """The engine's further controls, only those the request sets (a plain request's params stay
@@ -902,8 +1076,9 @@ class OpenAIIngress:
         structured = self._structured(body, tools)
         if structured is not None:
             out["structured"] = structured
-        if getattr(body, "echo", False) and logprobs is not None:
-            out["prompt_logprobs"] = logprobs  # the echoed prompt's tokens get theirs too
+        asked = [n for n in (logprobs if getattr(body, "echo", False) else None, body.prompt_logprobs) if n is not None]
+        if asked:
+            out["prompt_logprobs"] = max(asked)  # the echoed prompt's tokens get theirs too
         return out
 
     def _structured(self, body: SamplingFields, choice: toolcalls.Choice | None) -> dict | None:
@@ -968,32 +1143,54 @@ class OpenAIIngress:
                            "function (the output is then constrained to a call), or 'none'", "tool_choice", "unsupported_value")
         return choice
 
-    def _token(self, tid: int) -> dict:
-        text = self.tokenizer.decode([tid])
+    def _token(self, tid: int, as_ids: bool = False) -> dict:
+        text = f"token_id:{tid}" if as_ids else self.tokenizer.decode([tid])
         return {"token": text, "bytes": list(text.encode("utf-8", "surrogatepass"))}
 
-    def _format_logprobs(self, ids: list[int], lps: list | None, chat: bool, offset: int = 0) -> dict | None:
+    def _format_logprobs(self, ids: list[int], lps: list | None, chat: bool, offset: int = 0,
+                         as_ids: bool = False) -> dict | None:
         """OpenAI's logprobs object: chat {"content": [...]}, completions {tokens, token_logprobs, ...}.
-        Completions also take None for a token without one (an echoed prompt's first: null, as OpenAI's)."""
+        Completions also take None for a token without one (an echoed prompt's first: null, as OpenAI's).
+        as_ids: tokens named "token_id:<id>" (vLLM's return_tokens_as_token_ids)."""
         if lps is None:
             return None
+        tok = lambda t: self._token(t, as_ids)  # noqa: E731
         if chat:
-            return {"content": [{**self._token(t), "logprob": lp,
-                                 "top_logprobs": [{**self._token(a), "logprob": alp} for a, alp in alts]}
+            return {"content": [{**tok(t), "logprob": lp, "top_logprobs": [{**tok(a), "logprob": alp} for a, alp in alts]}
                                 for t, (lp, alts) in zip(ids, lps)], "refusal": None}
-        tokens = [self._token(t)["token"] for t in ids]
+        tokens = [tok(t)["token"] for t in ids]
         offsets = [offset + sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
         return {"tokens": tokens, "token_logprobs": [None if e is None else e[0] for e in lps], "text_offset": offsets,
-                "top_logprobs": [None if e is None else {self._token(a)["token"]: alp for a, alp in e[1]} for e in lps]}
+                "top_logprobs": [None if e is None else {tok(a)["token"]: alp for a, alp in e[1]} for e in lps]}
 
-    def _prompt_logprobs(self, first: dict, ids: list[int]) -> dict:
-        """An echoed prompt's logprobs object (completions), from the engine's first event: one entry per
-        prompt token, None for the first (null in the answer, as OpenAI's)."""
+    def _engine_prompt_logprobs(self, first: dict, ids: list[int]) -> list:
         entries = first.get("prompt_logprobs")
         if entries is None or len(entries) != len(ids):
             log.error("the engine's first event has no prompt_logprobs for %d prompt tokens", len(ids))
             raise APIError(500, "internal error: the engine did not return the prompt's logprobs", code="internal_error")
-        return self._format_logprobs(ids, entries, chat=False)
+        return entries
+
+    def _prompt_logprobs(self, first: dict, ids: list[int], as_ids: bool = False) -> dict:
+        """An echoed prompt's logprobs object (completions), from the engine's first event: one entry per
+        prompt token, None for the first (null in the answer, as OpenAI's)."""
+        return self._format_logprobs(ids, self._engine_prompt_logprobs(first, ids), chat=False, as_ids=as_ids)
+
+    def _vllm_prompt_logprobs(self, first: dict, ids: list[int]) -> list:
+        """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id: {logprob, rank,
+        decoded_token}} for the token itself and its top alternatives. A token outside the alternatives gets
+        their count + 1 as its rank (a lower bound: only the top ones are ranked)."""
+        out = []
+        for t, e in zip(ids, self._engine_prompt_logprobs(first, ids)):
+            if e is None:
+                out.append(None)
+                continue
+            lp, alts = e
+            rank = next((i + 1 for i, (a, _) in enumerate(alts) if a == t), 1 + sum(alp > lp for _, alp in alts))
+            entry = {str(t): {"logprob": lp, "rank": rank, "decoded_token": self.tokenizer.decode([t])}}
+            for i, (a, alp) in enumerate(alts):
+                entry.setdefault(str(a), {"logprob": alp, "rank": i + 1, "decoded_token": self.tokenizer.decode([a])})
+            out.append(entry)
+        return out
 
     def _pick_group(self) -> str:
         """The live group with the fewest requests in flight per Router replica (a group of 4 replicas
@@ -1039,22 +1236,29 @@ class OpenAIIngress:
         jobs = [(ids, params if params["seed"] is None else {**params, "seed": params["seed"] + j})
                 for ids in prompts for j in range(body.n)]  # choice index = prompt index * n + j
         n_prompt = sum(len(ids) for ids in prompts)
+        opts = body.stream_options
+        shape = Shape(body.return_tokens_as_token_ids, [ids for ids, _ in jobs] if body.return_token_ids else None,
+                      body.prompt_logprobs is not None, bool(opts and opts.include_usage and opts.continuous_usage_stats),
+                      "predicted_output" in params)
 
         def reply(firsts: list[dict], leases: list[_GroupLease], rid: str):
             meta = {"id": ("chatcmpl-" if chat else "cmpl-") + rid, "created": int(time.time()), "model": self.model_name}
             answers = [toolcalls.ChatAnswer(tools) for _ in jobs] if chat else None
             echoes = None  # completions' echo: per choice, the prompt's text and its tokens' logprobs (if asked)
             if echo is not None:
-                echoes = [(text, self._prompt_logprobs(first, ids) if params["logprobs"] is not None else None)
+                echoes = [(text, self._prompt_logprobs(first, ids, shape.as_ids) if params["logprobs"] is not None else None)
                           for text, first, (ids, _) in zip(echo, firsts, jobs)]
+            if shape.prompt_logprobs:  # vLLM's own shape, beside OpenAI's echo
+                shape.prompt_logprobs = [self._vllm_prompt_logprobs(first, ids) for first, (ids, _) in zip(firsts, jobs)]
             if not body.stream:
-                return self._collect(firsts, leases, meta, n_prompt, chat, answers, echoes)
+                return self._collect(firsts, leases, meta, n_prompt, chat, answers, echoes, shape)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return self._sse(firsts, leases, meta, n_prompt, chat, include_usage, answers, echoes)
+            return self._sse(firsts, leases, meta, n_prompt, chat, include_usage, answers, echoes, shape)
 
-        return await self.start_streams(request, jobs, body.stream, reply)
+        return await self.start_streams(request, jobs, body.stream, reply, body.request_id)
 
-    async def start_streams(self, request: Request, jobs: list[tuple[list[int], dict]], stream: bool, reply):
+    async def start_streams(self, request: Request, jobs: list[tuple[list[int], dict]], stream: bool, reply,
+                            given_id: str | None = None):
         """Send each job (prompt ids, engine params) to the least-loaded group as its own router request,
         wait for every first event (an error event becomes the HTTP error), then let `reply(firsts,
         leases, rid)` answer: unstreamed, a coroutine giving the body; streamed, an async generator of
@@ -1063,7 +1267,7 @@ class OpenAIIngress:
         leaves are handled once."""
         if self.draining:
             raise APIError(503, "the server is shutting down; retry on another instance", code="draining", retry_after=5)
-        rid = request_id(request)
+        rid = given_id or request_id(request)  # the body's id (vLLM's request_id) names the answer
         self._watch()
         leases: list[_GroupLease] = []
         events = None  # once set, the SSE generator owns the leases
@@ -1097,10 +1301,12 @@ class OpenAIIngress:
                     lease.end(finished=lease.upstream is None or lease.upstream.finished)
 
     async def _collect(self, firsts: list[dict], leases: list[_GroupLease], meta: dict, n_prompt: int, chat: bool,
-                       answers: list[toolcalls.ChatAnswer] | None = None, echoes: list[tuple[str, dict | None]] | None = None):
+                       answers: list[toolcalls.ChatAnswer] | None = None, echoes: list[tuple[str, dict | None]] | None = None,
+                       shape: Shape = Shape()):
         """The unstreamed answer. answers: chat's per-choice message builders (tool calls); echoes:
-        completions' per-choice prompt text and its logprobs, put first."""
+        completions' per-choice prompt text and its logprobs, put first; shape: vLLM's extras for the answer."""
         cached = [0] * len(leases)
+        finals: list[dict] = [{}] * len(leases)
 
         async def one(c: int, first: dict, events: RouterStream) -> tuple[str, list[int], list | None, str | None]:
             text, ids, ev = [first["text"]], list(first["token_ids"]), first
@@ -1114,43 +1320,77 @@ class OpenAIIngress:
             if ev.get("error"):
                 raise APIError(503, ev["error"], code="engine_error")
             cached[c] = ev.get("stats", {}).get("cached_tokens", 0)
+            finals[c] = ev.get("stats", {})
             return "".join(text), ids, lps, ev["finish_reason"]
 
         outputs = await asyncio.gather(*(one(c, f, lease.upstream) for c, (f, lease) in enumerate(zip(firsts, leases))))
         choices = []
+        top: dict = {}  # vLLM's response-level extras (chat)
         for c, (text, ids, lps, reason) in enumerate(outputs):
             if chat:
                 message, reason = (answers[c] if answers else toolcalls.ChatAnswer(None)).message(text, reason)
-                choice = {"index": c, "message": message, "logprobs": self._format_logprobs(ids, lps, chat)}
+                choice = {"index": c, "message": message, "logprobs": self._format_logprobs(ids, lps, chat, as_ids=shape.as_ids)}
             else:
                 prompt_text, prompt_lps = echoes[c] if echoes else ("", None)
-                logprobs = self._format_logprobs(ids, lps, chat, offset=len(prompt_text))
+                logprobs = self._format_logprobs(ids, lps, chat, offset=len(prompt_text), as_ids=shape.as_ids)
                 choice = {"index": c, "text": prompt_text + text, "logprobs": _joined(prompt_lps, logprobs)}
-            choices.append(choice | {"finish_reason": reason})
+            choice["finish_reason"] = reason
+            if shape.prompt_ids is not None:
+                choice["token_ids"] = ids
+                if chat:
+                    top["prompt_token_ids"] = shape.prompt_ids[c]
+                else:
+                    choice["prompt_token_ids"] = shape.prompt_ids[c]
+            if shape.prompt_logprobs:
+                if chat:
+                    top["prompt_logprobs"] = shape.prompt_logprobs[c]
+                else:
+                    choice["prompt_logprobs"] = shape.prompt_logprobs[c]
+            choices.append(choice)
         n_out = sum(len(ids) for _, ids, _, _ in outputs)
+        predicted = None
+        if shape.prediction:
+            predicted = dict.fromkeys(PREDICTION_COUNTS, 0)
+            for stats in finals:
+                _add_prediction(predicted, stats)
         return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                "usage": _usage(n_prompt, n_out, max(cached))}
+                "usage": _usage(n_prompt, n_out, max(cached), predicted), **top}
 
     async def _sse(self, firsts: list[dict], leases: list[_GroupLease], meta: dict, n_prompt: int, chat: bool,
                    include_usage: bool, answers: list[toolcalls.ChatAnswer] | None = None,
-                   echoes: list[tuple[str, dict | None]] | None = None):
+                   echoes: list[tuple[str, dict | None]] | None = None, shape: Shape = Shape()):
         """The streamed answer: chat deltas (text, or tool calls as `answers` find or force them) or
-        completions text (after the echoed prompt of `echoes`), then usage and [DONE]."""
+        completions text (after the echoed prompt of `echoes`), then usage and [DONE]. shape: vLLM's extras
+        (token ids with the chunks that carry them, the prompt's in each choice's first chunk; usage in every
+        chunk)."""
         obj = "chat.completion.chunk" if chat else "text_completion"
         answers = answers or [toolcalls.ChatAnswer(None) for _ in leases]
 
         offsets = [0] * len(leases)  # completions' text_offset runs on across chunks
+        predicted = dict.fromkeys(PREDICTION_COUNTS, 0) if shape.prediction else None
+        n_out, cached = 0, 0
 
-        def chunk(c: int, finish: str | None, delta: dict | None = None, text: str = "", lps: dict | None = None) -> str:
+        def chunk(c: int, finish: str | None, delta: dict | None = None, text: str = "", lps: dict | None = None,
+                  ids: list[int] | None = None, first: bool = False) -> str:
             if chat:
                 choice = {"index": c, "delta": delta or {}, "logprobs": lps, "finish_reason": finish}
             else:
                 choice = {"index": c, "text": text, "logprobs": lps, "finish_reason": finish}
                 offsets[c] += len(text)
-            return f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice]})}\n\n"
+            top = {}
+            if shape.prompt_ids is not None:
+                choice["token_ids"] = ids or []
+                if first:
+                    (top if chat else choice)["prompt_token_ids"] = shape.prompt_ids[c]
+            if first and shape.prompt_logprobs:
+                (top if chat else choice)["prompt_logprobs"] = shape.prompt_logprobs[c]
+            if shape.continuous_usage:
+                top["usage"] = _usage(n_prompt, n_out, cached, predicted)
+            return f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice], **top})}\n\n"
 
         def logprobs(c: int, ev: dict) -> dict | None:
-            return self._format_logprobs(ev["token_ids"], ev["logprobs"], chat, offsets[c]) if "logprobs" in ev else None
+            return (self._format_logprobs(ev["token_ids"], ev["logprobs"], chat, offsets[c], shape.as_ids)
+                    if "logprobs" in ev else None)
 
         # One pump per choice feeds a queue, so choices stream as their tokens come, interleaved. The
         # queue is small: a slow client slows the pumps (backpressure), and a client that leaves finds
@@ -1165,39 +1405,47 @@ class OpenAIIngress:
                 ev = await events.next()
 
         pumps = [asyncio.ensure_future(pump(c, f, lease.upstream)) for c, (f, lease) in enumerate(zip(firsts, leases))]
-        n_out, open_choices, cached = 0, len(pumps), 0
+        open_choices = len(pumps)
+        opened = [False] * len(pumps)  # the choice's first chunk went out (it carries the prompt's extras)
         try:
             for c in range(len(pumps)):
                 if chat:
-                    yield chunk(c, None, {"role": "assistant", "content": ""})
+                    yield chunk(c, None, {"role": "assistant", "content": ""}, first=True)
+                    opened[c] = True
                 elif echoes:
-                    yield chunk(c, None, text=echoes[c][0], lps=echoes[c][1])
+                    yield chunk(c, None, text=echoes[c][0], lps=echoes[c][1], first=True)
+                    opened[c] = True
             while open_choices:
                 c, ev = await queue.get()
                 n_out += len(ev["token_ids"])
+                ids = ev["token_ids"]
                 if ev.get("error"):
                     err = {"message": ev["error"], "type": ERROR_TYPES[503], "param": None, "code": "engine_error"}
                     yield f"data: {json.dumps({'error': err})}\n\n"
                     return
                 lps = logprobs(c, ev) if ev.get("logprobs") else None
+                if ev["finished"]:
+                    cached = max(cached, ev.get("stats", {}).get("cached_tokens", 0))
+                    _add_prediction(predicted, ev.get("stats"))
                 if chat:
-                    # text held back (a tool call being read) still sends its tokens' logprobs
-                    deltas = answers[c].deltas(ev["text"]) or ([{}] if lps else [])
+                    # text held back (a tool call being read) still sends its tokens' logprobs (and ids)
+                    deltas = answers[c].deltas(ev["text"]) or ([{}] if lps or (ids and shape.prompt_ids) else [])
                     for i, delta in enumerate(deltas):
-                        yield chunk(c, None, delta, lps=lps if i == 0 else None)
-                elif ev["text"] or lps:
-                    yield chunk(c, None, text=ev["text"], lps=lps)
+                        yield chunk(c, None, delta, lps=lps if i == 0 else None, ids=ids if i == 0 else None)
+                elif ev["text"] or lps or (ids and shape.prompt_ids is not None):
+                    yield chunk(c, None, text=ev["text"], lps=lps, ids=ids, first=not opened[c])
+                    opened[c] = True
                 if ev["finished"]:
                     open_choices -= 1
-                    cached = max(cached, ev.get("stats", {}).get("cached_tokens", 0))
                     reason = ev["finish_reason"]
                     if chat:
                         deltas, reason = answers[c].end(reason)
                         for delta in deltas:
                             yield chunk(c, None, delta)
-                    yield chunk(c, reason)
+                    yield chunk(c, reason, first=not opened[c])
+                    opened[c] = True
             if include_usage:
-                usage = _usage(n_prompt, n_out, cached)
+                usage = _usage(n_prompt, n_out, cached, predicted)
                 yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
         finally:

@@ -4,8 +4,9 @@ Each field of OpenAI's request schemas is in exactly one of three sets per endpo
 (`HANDLED`), it is accepted and changes nothing in the output (`NO_EFFECT`, with why), or it is
 refused with a 400 naming it when set to a value that asks for something this server does not do
 (`REFUSED`: the values that ask for nothing, such as null or the default, are accepted). vLLM's
-extra fields (what clients send through `extra_body`) are sorted the same way in `VLLM_HANDLED` and
-`VLLM_REFUSED`. Any other field is a 400 too (the request models forbid unknown fields).
+extra fields (what clients send through `extra_body`) are sorted the same way in `VLLM_HANDLED` (and
+`VLLM_CHAT_HANDLED`, chat only), `VLLM_NO_EFFECT` and `VLLM_REFUSED`. Any other field is a 400 too (the
+request models forbid unknown fields).
 
 The ingress checks requests against these tables, tests/test_semantics.py walks the openai package's
 request schemas against them, and tests/test_docs.py checks that docs/http-api.md names every field.
@@ -40,7 +41,7 @@ HANDLED = {
     "chat": frozenset({
         "messages", "model", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs",
         "max_completion_tokens", "max_tokens", "n", "parallel_tool_calls", "response_format", "seed", "stop",
-        "stream", "stream_options", "temperature", "top_p", "tool_choice", "tools",
+        "stream", "stream_options", "temperature", "top_p", "tool_choice", "tools", "prediction",
     }),
     "completions": frozenset({
         "prompt", "model", "echo", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "max_tokens",
@@ -60,7 +61,6 @@ NO_EFFECT = {
         "prompt_cache_key": "a hint for OpenAI's prompt cache; prefix caching here is automatic",
         "prompt_cache_options": "OpenAI's prompt cache breakpoints and lifetime; prefix caching here is automatic",
         "prompt_cache_retention": "OpenAI's prompt cache lifetime; prefix caching here is automatic",
-        "prediction": "predicted output, a latency hint: the answer is the same without it",
     },
     "completions": {
         "user": _USER,
@@ -93,19 +93,44 @@ REFUSED = {
 VLLM_HANDLED = frozenset({
     "top_k", "min_tokens", "ignore_eos", "stop_token_ids", "repetition_penalty", "bad_words",
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "min_p",
+    "skip_special_tokens", "include_stop_str_in_output", "allowed_token_ids", "priority", "request_id",
+    "return_tokens_as_token_ids", "return_token_ids", "cache_salt", "truncate_prompt_tokens", "add_special_tokens",
+    "prompt_logprobs",
 })
 """vLLM's extra fields that take effect, on both endpoints."""
 
+VLLM_CHAT_HANDLED = frozenset({
+    "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "documents",
+})
+"""vLLM's extra fields of chat completions that take effect: how the messages become the prompt."""
+
+VLLM_NO_EFFECT = {
+    "length_penalty": "beam search's length penalty; vLLM too uses it only in beam search, which this server does not do",
+}
+"""vLLM's extra fields accepted without effect (as in vLLM outside beam search), with why."""
+
 VLLM_REFUSED = {
-    "skip_special_tokens": Refused("null or true", "special tokens are always left out of the text", _none_or(True)),
-    "spaces_between_special_tokens": Refused("null or true", "special tokens are never in the text", _none_or(True)),
+    "spaces_between_special_tokens": Refused("null or true", "special tokens are joined as the tokenizer decodes them",
+                                             _none_or(True)),
+    "use_beam_search": Refused("null or false", "beam search is not implemented here", _none_or(False)),
 }
 """vLLM's extra fields refused (400) unless set to their default."""
 
 
+def vllm_handled(endpoint: str) -> frozenset[str]:
+    """vLLM's extra fields that take effect on `endpoint`."""
+    return VLLM_HANDLED | (VLLM_CHAT_HANDLED if endpoint == "chat" else frozenset())
+
+
+def no_effect(endpoint: str) -> dict[str, str]:
+    """The fields of `endpoint` accepted without effect (OpenAI's and vLLM's), with why."""
+    return {**NO_EFFECT[endpoint], **VLLM_NO_EFFECT}
+
+
 def fields(endpoint: str) -> set[str]:
     """Every field `endpoint` ("chat" or "completions") accepts in some form."""
-    return set(HANDLED[endpoint]) | set(NO_EFFECT[endpoint]) | set(REFUSED[endpoint]) | VLLM_HANDLED | set(VLLM_REFUSED)
+    return (set(HANDLED[endpoint]) | set(NO_EFFECT[endpoint]) | set(REFUSED[endpoint]) | vllm_handled(endpoint)
+            | set(VLLM_NO_EFFECT) | set(VLLM_REFUSED))
 
 
 def refused(endpoint: str) -> dict[str, Refused]:

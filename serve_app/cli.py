@@ -180,6 +180,17 @@ def _parser() -> argparse.ArgumentParser:
     bs.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/bench-structured-<hardware type>)")
     bs.set_defaults(func=_cmd_bench_structured)
 
+    bp = bsub.add_parser("predicted", help="Predicted Outputs on edits: target steps and latency with the original as "
+                                            "the prediction against without it, outputs compared token for token")
+    _model_args(bp)
+    bp.set_defaults(dtype="float32")
+    bp.add_argument("--policy", default="fixed:2", help="the draft's policy on both sides (default fixed:2)")
+    bp.add_argument("--rounds", type=int, default=3, help="interleaved rounds after a warm-up; medians")
+    bp.add_argument("--extra-tokens", type=int, default=32, help="max_tokens = the original's tokens + this")
+    bp.add_argument("--max-predicted-tokens", type=int, default=EngineConfig.model_fields["max_predicted_tokens"].default)
+    bp.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/bench-predicted-<hardware type>)")
+    bp.set_defaults(func=_cmd_bench_predicted)
+
     bw = bsub.add_parser("proposal-width", help="a sampled row's top-N draft proposal: exact acceptance against the "
                                                  "full distribution; the coupled sampler's noise against iid Gumbel")
     bw.add_argument("--prompts", type=int, default=16)
@@ -650,6 +661,18 @@ def _cmd_bench_structured(args) -> int:
     from serve_app.bench.structured import main
 
     return main(args.n, args.k, args.max_tokens, args.batch, args.dtype, args.out)
+
+
+def _cmd_bench_predicted(args) -> int:
+    from serve_app.bench.predicted import bench_predicted
+    from serve_app.models import load_models
+
+    if args.rounds < 1 or args.extra_tokens < 0 or not 1 <= args.max_predicted_tokens <= 256:
+        raise UsageError("need --rounds >= 1, --extra-tokens >= 0 and 1 <= --max-predicted-tokens <= 256")
+    results, markdown = bench_predicted(load_models(_bench_model(args)), args.policy, args.rounds, args.extra_tokens,
+                                        args.max_predicted_tokens)
+    _write_bench(args, "predicted", results, markdown)
+    return 0 if results["all_same"] else 1
 
 
 def _cmd_bench_proposal_width(args) -> int:

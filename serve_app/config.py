@@ -100,6 +100,10 @@ class EngineConfig(BaseModel):
     max_k: int = Field(8, ge=0, le=32)
     """Largest speculation length any policy may choose; sizes the KV headroom reserved per sequence."""
 
+    max_predicted_tokens: int = Field(32, ge=0, le=256)
+    """Most tokens of a request's predicted output (OpenAI Predicted Outputs) drafted for it in one step,
+    within the step's token budget; they need no draft forward. 0: predictions are not drafted from."""
+
     max_stop_strings: int = Field(4, ge=0)
     """Most stop strings one request may carry."""
 
@@ -218,6 +222,26 @@ class SamplingParams(BaseModel):
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     """Also return the target's log-probability of every prompt token after the first, with this many
     alternatives (completions `echo` with `logprobs`): the first event carries them."""
+
+    allowed_token_ids: list[int] = Field(default_factory=list)
+    """Only these token ids may be generated (every other logit is -inf, beside `logit_bias`); empty: all."""
+
+    include_stop_str_in_output: bool = False
+    """The stop string that ended the output stays at the end of its text."""
+
+    skip_special_tokens: bool = True
+    """Special tokens (end-of-sequence, chat markers) are left out of the text; false keeps them."""
+
+    priority: int = 0
+    """Admission order among waiting requests: a lower value is admitted first, FIFO within a value (vLLM's
+    meaning). Running requests are never preempted for it."""
+
+    cache_salt: str | None = None
+    """Prefix-cache entries are shared only between requests with the same salt (tenants isolated)."""
+
+    predicted_output: list[int] = Field(default_factory=list)
+    """Predicted Outputs: token ids the output is expected to repeat mostly (an edited file, a rewritten
+    text). They are drafted from directly (`engine.predicted_output`); the output is the same without them."""
 
     # ---- filled by the engine when a request is submitted (the HTTP layer never sends these) ----
     prompt_len: int | None = None

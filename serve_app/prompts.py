@@ -10,6 +10,8 @@ render them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from serve_app.tools import check_tool_calls, render_history, template_supports_tools
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -75,7 +77,8 @@ def normalize_messages(messages) -> list[dict]:
     return out
 
 
-def encode_prompt(tokenizer, prompt: str | None = None, messages: list | None = None) -> list[int]:
+def encode_prompt(tokenizer, prompt: str | None = None, messages: list | None = None,
+                  add_special_tokens: bool = True) -> list[int]:
     """Token ids for a plain prompt, or for chat messages through the tokenizer's chat template."""
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of 'prompt' or 'messages'")
@@ -85,20 +88,53 @@ def encode_prompt(tokenizer, prompt: str | None = None, messages: list | None = 
         raise ValueError(f"'prompt' must be a string, got {type(prompt).__name__}")
     if not check_text(prompt, "prompt").strip():
         raise ValueError("prompt is empty")
-    return tokenizer.encode(prompt)
+    return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
 
-def encode_chat(tokenizer, messages: list, tools: list[dict] | None = None) -> list[int]:
+@dataclass(frozen=True)
+class ChatTemplating:
+    """How a chat request's messages become its prompt (vLLM's chat request extras)."""
+
+    template: str | None = None
+    """A Jinja chat template to use instead of the model's."""
+    kwargs: dict = field(default_factory=dict)
+    """Extra variables for the template (Qwen3's `enable_thinking`, ...)."""
+    add_generation_prompt: bool = True
+    """End with the template's opening of the assistant's turn."""
+    continue_final_message: bool = False
+    """Leave the last (assistant) message open, so the answer continues it."""
+    documents: list | None = None
+    """Documents for templates that render them (retrieval-augmented chat)."""
+    add_special_tokens: bool = False
+    """Let the tokenizer add its special tokens (BOS) around the rendered text too; the template has its own."""
+
+
+RESERVED_TEMPLATE_VARS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                    "add_generation_prompt", "continue_final_message", "return_dict", "tokenizer"})
+"""Template variables chat_template_kwargs may not set: the arguments the server passes itself."""
+
+
+def encode_chat(tokenizer, messages: list, tools: list[dict] | None = None,
+                templating: ChatTemplating = ChatTemplating()) -> list[int]:
     """Token ids of chat messages through the chat template, with `tools` (OpenAI function tools)
     rendered by it; only for a template that renders tools (`template_supports_tools`)."""
     messages = normalize_messages(messages)
     if not any(m["content"].strip() or m.get("tool_calls") for m in messages):
         raise ValueError("messages are all empty")
-    if getattr(tokenizer, "chat_template", None) is None:
+    if templating.template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model has no chat template: send a plain 'prompt' instead")
     native = template_supports_tools(tokenizer)
     if tools and not native:
         raise ValueError("this model's chat template does not render tools")
+    if templating.continue_final_message and (templating.add_generation_prompt or messages[-1]["role"] != "assistant"):
+        raise ValueError("continue_final_message continues a last assistant message, with add_generation_prompt false")
+    extra = dict(templating.kwargs)  # only what the request set: a plain chat renders as it always did
+    if templating.continue_final_message:
+        extra["continue_final_message"] = True
+    if templating.documents is not None:
+        extra["documents"] = templating.documents
+    if templating.template is not None:
+        extra["chat_template"] = templating.template
     text = tokenizer.apply_chat_template(render_history(messages, native), tools=tools or None, tokenize=False,
-                                         add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
+                                         add_generation_prompt=templating.add_generation_prompt, **extra)
+    return tokenizer.encode(text, add_special_tokens=templating.add_special_tokens)

@@ -828,7 +828,7 @@ def test_every_openai_field_through_the_live_service(service):
             assert r.status_code == 400 and r.json()["error"]["param"] == name and name in r.json()["error"]["message"], r.text
             for value in nothing:
                 assert httpx.post(url + path, json=body | {name: value}, timeout=60).status_code == 200, (name, value)
-        for name in openai_fields.NO_EFFECT[endpoint]:
+        for name in openai_fields.no_effect(endpoint):
             r = httpx.post(url + path, json=body | {name: NO_EFFECT_SAMPLES[name]}, timeout=60)
             assert r.status_code == 200, (name, r.text)
         r = httpx.post(url + path, json=body | {"temprature": 0.5}, timeout=60)
@@ -1130,3 +1130,24 @@ def test_losing_a_node_moves_its_groups_traffic_to_the_other_group(service):
         list(pool.map(lambda i: c.completions.create(model=MODEL, prompt=PROMPTS[i % 3], max_tokens=20, temperature=0),
                       range(12)))
     assert steps("B") > before
+
+
+def test_predicted_outputs_and_vllm_extras_through_the_service(smol, service):
+    """A chat that repeats a text, with the text as its prediction: the same answer in fewer steps, usage
+    counting the prediction; vLLM's surface (/health, request_id, return_token_ids) through Serve's proxy."""
+    text = ("The museum opens at nine in the morning and closes at six in the evening. Tickets cost twelve "
+            "dollars for adults and six dollars for children.")
+    msgs = [{"role": "user", "content": f"Repeat this text exactly, with nothing else:\n\n{text}"}]
+    plain = smol.chat.completions.create(model="smol", messages=msgs, max_tokens=60, temperature=0)
+    pred = smol.chat.completions.create(model="smol", messages=msgs, max_tokens=60, temperature=0,
+                                        prediction={"type": "content", "content": text},
+                                        extra_body={"return_token_ids": True, "request_id": "edit-1"})
+    assert pred.choices[0].message.content == plain.choices[0].message.content
+    assert pred.id == "chatcmpl-edit-1" and len(pred.choices[0].token_ids) == pred.usage.completion_tokens
+    details = pred.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 10 and details.rejected_prediction_tokens >= 0
+    url = f"{service['url']}/smol"
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200 and "version" in httpx.get(f"{url}/version").json()
+    r = httpx.post(f"{url}/v1/completions", json={"model": "smol", "prompt": "Hello", "max_tokens": 3, "request_id": "r-7"},
+                   timeout=60)
+    assert r.json()["id"] == "cmpl-r-7" and len(r.headers.get_list("x-request-id")) == 1  # Serve's proxy sets it

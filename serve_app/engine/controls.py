@@ -33,6 +33,8 @@ class Controls:
         self.bias_rows = [b for b in range(n) if params[b].logit_bias]
         self.ban_rows = [b for b in range(n) if params[b].min_tokens or params[b].bad_words_ids]
         self.pen_rows = [b for b in range(n) if _penalized(params[b])]
+        self.allow_rows = [b for b in range(n) if params[b].allowed_token_ids]
+        self._allow: dict[int, torch.Tensor] = {}  # row -> [V] bool, built at first use
         if self.bias_rows:
             self._bias = self._sparse([(b, t, v) for b in self.bias_rows for t, v in params[b].logit_bias.items()])
         if self.pen_rows:
@@ -79,6 +81,9 @@ class Controls:
             x[torch.tensor(r, device=x.device), torch.tensor(t, device=x.device)] = float("-inf")
         if self.bias_rows:
             self._add_sparse(x, self._bias, local)
+        for b in self.allow_rows:
+            if b in local:
+                x[local[b]].masked_fill_(~self._allowed(b, x.shape[-1], x.device), float("-inf"))
         if self.pen_rows:
             self._penalize(x, local, j, extra)
         return x
@@ -102,6 +107,13 @@ class Controls:
     # ---- internals -------------------------------------------------------------------------
     def _touches(self, b: int) -> bool:
         return has_controls(self.params[b]) or self.guides[b] is not None
+
+    def _allowed(self, b: int, vocab: int, device) -> torch.Tensor:
+        """Row b's allowed_token_ids as a [vocab] mask (ids past a draft's narrower logits drop out)."""
+        if b not in self._allow:
+            ids = torch.tensor([t for t in self.params[b].allowed_token_ids if t < vocab], dtype=torch.long)
+            self._allow[b] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True).to(device)
+        return self._allow[b]
 
     def _banned(self, b: int, j: int, drafted: list[int]) -> list[int]:
         p = self.params[b]
@@ -181,4 +193,4 @@ def _penalized(p) -> bool:
 
 
 def has_controls(p) -> bool:
-    return bool(p.logit_bias or p.min_tokens or p.bad_words_ids or _penalized(p))
+    return bool(p.logit_bias or p.min_tokens or p.bad_words_ids or p.allowed_token_ids or _penalized(p))

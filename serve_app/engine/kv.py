@@ -80,23 +80,28 @@ class PagedKV(Cache):
         self.chains: dict[str, list[bytes]] = {}  # sequence -> hashes of its first full, committed blocks
         self.by_hash: dict[bytes, int] = {}
         self.hash_of: dict[int, bytes] = {}
+        self.roots: dict[str, bytes] = {}  # sequence -> the hash its first block chains from (its cache salt's)
         self.lru: OrderedDict[int, None] = OrderedDict()  # cached blocks no sequence holds, oldest first
         self.stats = KVStats()
         self.batch: PackedBatch | None = None  # the forward under way
 
     # ---- blocks ------------------------------------------------------------------------------
-    def match_prefix(self, sid: str, tokens: list[int]) -> int:
+    def match_prefix(self, sid: str, tokens: list[int], salt: str | None = None) -> int:
         """Start sequence sid with the cached blocks its tokens begin with; returns the tokens they
-        cover. The block holding the last token is never taken: it must be computed for its logits."""
+        cover. The block holding the last token is never taken: it must be computed for its logits.
+        salt: the request's cache salt; its blocks are named under it, so only sequences with the same
+        salt share them (one tenant's prompts cannot be probed by another's timings)."""
         table, chain = self.tables.setdefault(sid, []), self.chains.setdefault(sid, [])
         if table:
             raise ValueError(f"sequence {sid!r} already holds blocks")
+        if salt:
+            self.roots[sid] = hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=16).digest()
         if not self.prefix_caching:
             return 0
         bs = self.block_size
         full = (len(tokens) - 1) // bs
         self.stats.queries += full * bs
-        parent = b""
+        parent = self.roots.get(sid, b"")
         for i in range(full):
             h = _block_hash(parent, tokens[i * bs : (i + 1) * bs])
             block = self.by_hash.get(h)
@@ -138,7 +143,7 @@ class PagedKV(Cache):
         table, chain, bs = self.tables[sid], self.chains[sid], self.block_size
         while (len(chain) + 1) * bs <= kv_len:
             i = len(chain)
-            h = _block_hash(chain[-1] if chain else b"", tokens[i * bs : (i + 1) * bs])
+            h = _block_hash(chain[-1] if chain else self.roots.get(sid, b""), tokens[i * bs : (i + 1) * bs])
             chain.append(h)
             if h not in self.by_hash:  # else another sequence computed the same block first: keep theirs
                 self.by_hash[h], self.hash_of[table[i]] = table[i], h
@@ -148,6 +153,7 @@ class PagedKV(Cache):
         for block in self.tables.pop(sid, []):
             self._drop(block)
         self.chains.pop(sid, None)
+        self.roots.pop(sid, None)
 
     def slots(self, sid: str, positions: torch.Tensor) -> torch.Tensor:  # [N] positions -> [N] pool slots
         """Where positions of sequence sid live in the pool (its table must cover them)."""

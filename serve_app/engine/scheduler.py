@@ -26,10 +26,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
+import torch
+
 
 from serve_app.config import EngineConfig, SamplingParams
 from serve_app.engine import grammar
 from serve_app.engine.policy import BatchState, Policy, fit_choice, make_policy
+from serve_app.engine.predicted_output import PredictedOutput
 from serve_app.engine.stats import RequestStats, RowOutcomes, StepStats
 from serve_app.engine.textstream import TextStream
 from serve_app.engine.worker import ModelWorker, Proposal
@@ -75,6 +78,7 @@ class Request:
     prefilled: int = 0  # context tokens in the target's KV (from the prefix cache, then chunk by chunk)
     prompt_logprobs: list | None = None  # computed at first admission, sent with the first output
     prompt_logprobs_sent: bool = False
+    predicted: PredictedOutput | None = None  # its predicted output (Predicted Outputs), drafted from
 
     def context(self) -> list[int]:
         """What the workers hold for it: the prompt, plus what it generated before a resume."""
@@ -196,8 +200,11 @@ class Engine:
                 f"speculation window) but the KV budget is {self.config.max_num_tokens}"
             )
         rid = f"{request_id or 'req'}-{next(self._ids)}"  # unique even if callers reuse ids
-        req = Request(rid, list(prompt_ids), params, TextStream(self.tokenizer, params.stop))
+        req = Request(rid, list(prompt_ids), params, TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output,
+                                                               params.skip_special_tokens))
         req.stats.prompt_tokens = n
+        if params.predicted_output and params.structured is None and self.config.max_predicted_tokens:
+            req.predicted = PredictedOutput(params.predicted_output)  # (a grammar's masks follow only tokens it allows)
         if resume:
             done = [int(t) for t in resume["output_ids"]]
             if any(not 0 <= t < self.vocab_size for t in done) or n + len(done) >= self.max_model_len \
@@ -206,14 +213,20 @@ class Engine:
             req.output_ids = done
             req.stream.resume(done, int(resume.get("sent_chars", 0)))
             req.stats.resumes, req.stats.carried_tokens = 1, len(done)
-        with self._queue_lock:
-            self.waiting.append(req)
+            if req.predicted is not None:
+                req.predicted.advance(done, len(done))
+        with self._queue_lock:  # behind every waiting request of its priority or a more urgent one (lower value)
+            at = len(self.waiting)
+            while at and self.waiting[at - 1].params.priority > params.priority:
+                at -= 1
+            self.waiting.insert(at, req)
         return req
 
     def _with_controls(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """Check a request's controls against the vocabulary and fill what the workers need to apply them
         (where its output starts, the end-of-sequence ids, bad words as token ids)."""
-        for name, ids in (("logit_bias", list(params.logit_bias)), ("stop_token_ids", params.stop_token_ids)):
+        for name, ids in (("logit_bias", list(params.logit_bias)), ("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids)):
             if any(not 0 <= t < self.vocab_size for t in ids):
                 raise ValueError(f"{name}: token ids must be in [0, {self.vocab_size})")
         if params.structured is not None:
@@ -266,18 +279,26 @@ class Engine:
         self._fit_kv(st)
         budget = self.config.max_num_batched_tokens
         ids = [r.id for r in self.running]
-        proposal = Proposal.empty(len(ids))
-        if ids and self.draft is not None:
-            choice = self.policy.choose(BatchState(len(ids), self.config.max_k, True, tuple(ids), len(self.prefilling)
-                                                   + len(self.waiting)))
-            # the step's tokens stay within the budget, keeping a block's worth for prompts being prefilled
-            # (never less than k = 0 leaves: admission keeps running + prefilling <= max_batch_size <= budget)
-            keep = min(self.config.block_size, budget - len(ids)) if self.prefilling else 0
-            choice = fit_choice(choice, self.config.max_k, budget - keep - len(ids), len(ids))
+        # the step's tokens stay within the budget, keeping a block's worth for prompts being prefilled
+        # (never less than k = 0 leaves: admission keeps running + prefilling <= max_batch_size <= budget)
+        keep = min(self.config.block_size, budget - len(ids)) if self.prefilling else 0
+        room = budget - keep - len(ids)
+        predicted = self._predicted(room)  # rows drafting from their request's predicted output, first
+        room -= sum(len(t) for t in predicted.values())
+        drafting = [b for b in range(len(ids)) if b not in predicted]
+        draft_ids = [ids[b] for b in drafting]
+        proposal = Proposal.empty(len(draft_ids))
+        if draft_ids and self.draft is not None:
+            choice = self.policy.choose(BatchState(len(draft_ids), self.config.max_k, True, tuple(draft_ids),
+                                                   len(self.prefilling) + len(self.waiting)))
+            choice = fit_choice(choice, self.config.max_k, room, len(draft_ids))
             if choice:
                 t = time.perf_counter()
-                proposal = self.draft.propose(ids, choice)
+                proposal = self.draft.propose(draft_ids, choice)
                 st.draft_s += time.perf_counter() - t
+        drafts = proposal  # the draft model's rows only: what the policy chose and observes
+        if predicted:
+            proposal = with_predictions(proposal, drafting, predicted, [r.params for r in self.running])
         drafted = sum(proposal.row_lengths())
         chunks = self._plan_chunks(budget - len(ids) - drafted)
         if ids or chunks:
@@ -289,19 +310,22 @@ class Engine:
             features, chunk_features = split_rows(verdict.features, len(ids))
             logprobs = verdict.logprobs or [None] * (len(ids) + len(chunks))
             if ids:
-                self._decoded(st, ids, proposal, verdict, features, logprobs)
+                self._decoded(st, ids, proposal, verdict, features, logprobs, drafts, drafting, predicted)
             if chunks:
                 self._prefilled(st, chunks, verdict.next_tokens[len(ids):], chunk_features, logprobs[len(ids):])
             self._evict([r for r in self.running if r.finished])
         st.other_s = time.perf_counter() - t0 - st.draft_s - st.verify_s
-        if st.batch_size:
+        if st.batch_size and not st.predicted:  # a step that verified predicted tokens did not cost its k's price
             self.policy.observe(st)
         for fn in self.on_step:
             fn(st)
         return outs
 
-    def _decoded(self, st: StepStats, ids: list[str], proposal: Proposal, verdict, features, logprobs) -> None:
-        """The decoding rows' part of a step: commit the draft, stream the accepted tokens."""
+    def _decoded(self, st: StepStats, ids: list[str], proposal: Proposal, verdict, features, logprobs,
+                 drafts: Proposal, drafting: list[int], predicted: dict[int, list[int]]) -> None:
+        """The decoding rows' part of a step: commit the draft, stream the accepted tokens. `drafts`: the draft
+        model's proposal for rows `drafting` (the policy's part of the step); `predicted`: the other rows'
+        tokens from their predicted outputs."""
         num_accepted, next_tokens = verdict.num_accepted[: len(ids)], verdict.next_tokens[: len(ids)]
         new = [d[:n] + [nt] for d, n, nt in zip(proposal.tokens.tolist(), num_accepted, next_tokens)]
         if self.draft is not None:
@@ -309,17 +333,35 @@ class Engine:
             self.draft.commit(ids, new, features)
             st.draft_s += time.perf_counter() - t
         lengths = proposal.row_lengths()
-        k = max(lengths, default=0)
-        st.batch_size, st.k, st.proposed = len(ids), k, sum(lengths)
-        st.backlog_checked, st.backlog_matched = proposal.backlog
-        st.accepted = sum(num_accepted)
-        st.accepted_per_position = [sum(n > i for n in num_accepted) for i in range(k)]
+        mine, got = drafts.row_lengths(), [num_accepted[b] for b in drafting]
+        k = max(mine, default=0)
+        st.batch_size, st.k, st.proposed = len(ids), k, sum(mine)
+        st.backlog_checked, st.backlog_matched = drafts.backlog
+        st.accepted = sum(got)
+        st.accepted_per_position = [sum(n > i for n in got) for i in range(k)]
+        st.predicted = sum(len(t) for t in predicted.values())
         st.generated = sum(len(x) for x in new)
-        if proposal.lengths is not None:  # a per-row plan: what each row drafted and got, for the policy
-            st.rows = RowOutcomes(list(ids), lengths, list(num_accepted), proposal.conf, proposal.lookup)
-        for req, n, toks, lp, length in zip(self.running, num_accepted, new, logprobs, lengths):
+        if drafts.lengths is not None:  # a per-row plan: what each row drafted and got, for the policy
+            st.rows = RowOutcomes([ids[b] for b in drafting], mine, got, drafts.conf, drafts.lookup)
+        for b, (req, n, toks, lp, length) in enumerate(zip(self.running, num_accepted, new, logprobs, lengths)):
             req.stats.add_step(length, n)
+            if b in predicted:
+                req.predicted.settle(length, n)
             self._outs.append((req, self._advance(req, toks, lp)))
+
+    def _predicted(self, room: int) -> dict[int, list[int]]:
+        """Per running row aligned with its predicted output: the predicted tokens to draft this step (at most
+        `max_predicted_tokens`, what its max_tokens and the context limit leave, and `room` in all)."""
+        out: dict[int, list[int]] = {}
+        for b, req in enumerate(self.running):
+            if req.predicted is None or room <= 0:
+                continue
+            left = min(req.params.max_tokens - len(req.output_ids), self.max_model_len - req.context_len) - 1
+            toks = req.predicted.propose(min(self.config.max_predicted_tokens, left, room))
+            if toks:
+                out[b] = toks
+                room -= len(toks)
+        return out
 
     def _prefilled(self, st: StepStats, chunks: dict[str, int], first: list[int], features, logprobs) -> None:
         """The prefill chunks' part of a step: the draft catches up to the same positions; a prompt
@@ -426,6 +468,8 @@ class Engine:
         if not p.stop:
             text = req.stream.push(taken)
         req.output_ids += taken
+        if req.predicted is not None:
+            req.predicted.advance(req.output_ids, len(taken))
         if not req.stats.generated_tokens:
             req.stats.ttft_s = time.perf_counter() - req.arrival
         req.stats.generated_tokens = len(req.output_ids)
@@ -440,6 +484,10 @@ class Engine:
     def _finish(self, req: Request, out: RequestOutput, reason: str, error: str | None = None) -> None:
         req.finished = True
         req.stats.total_s = time.perf_counter() - req.arrival
+        if req.predicted is not None:
+            u = req.predicted.usage()
+            req.stats.accepted_prediction_tokens, req.stats.rejected_prediction_tokens = (
+                u["accepted_prediction_tokens"], u["rejected_prediction_tokens"])
         out.finished, out.finish_reason, out.error, out.stats = True, reason, error, req.stats
 
     def _evict(self, reqs: list[Request]) -> None:
@@ -618,3 +666,34 @@ def split_rows(features, n: int) -> tuple:
     if isinstance(features, tuple):
         return features
     return features[:n], features[n:]
+
+
+def with_predictions(drafts: Proposal, drafting: list[int], predicted: dict[int, list[int]], params: list) -> Proposal:
+    """One proposal for the whole batch: the draft model's for rows `drafting`, each other row's predicted
+    tokens. A predicted token is a deterministic proposal (a function of the prediction and the output so
+    far), so a sampled row's q for it is one-hot and rejection sampling stays exact."""
+    n = len(params)
+    lengths = [0] * n
+    for b, m in zip(drafting, drafts.row_lengths()):
+        lengths[b] = m
+    for b, t in predicted.items():
+        lengths[b] = len(t)
+    kd = drafts.tokens.shape[1]
+    tokens = torch.zeros((n, max(lengths)), dtype=torch.long)  # [B, K]
+    rows = torch.tensor(drafting, dtype=torch.long)
+    if kd:
+        tokens[rows, :kd] = drafts.tokens
+    for b, t in predicted.items():
+        tokens[b, : len(t)] = torch.tensor(t)
+    probs = support = None
+    sampled = [b for b in predicted if not params[b].greedy]
+    if drafts.probs is not None or sampled:
+        width = drafts.probs.shape[2] if drafts.probs is not None else 1
+        probs = torch.zeros((n, tokens.shape[1], width))  # [B, K, N]
+        support = torch.zeros((n, tokens.shape[1], width), dtype=torch.int32)
+        if drafts.probs is not None:
+            probs[rows, :kd], support[rows, :kd] = drafts.probs, drafts.support
+        for b in sampled:
+            probs[b, : lengths[b], 0] = 1.0
+            support[b, : lengths[b], 0] = tokens[b, : lengths[b]].to(torch.int32)
+    return Proposal(tokens, probs, support, drafts.backlog, lengths)

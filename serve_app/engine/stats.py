@@ -62,6 +62,8 @@ class StepStats(Acceptance):
     """Prompt tokens of the admitted requests looked up in the prefix cache (whole blocks)."""
     prefix_hits: int = 0
     """Of those, tokens found cached (their KV taken by reference, not computed)."""
+    predicted: int = 0
+    """Tokens drafted from requests' predicted outputs (not the policy's: their rows are not in `k`)."""
     backlog_checked: int = 0
     """Committed tokens the draft scored while catching up after steps without speculation."""
     backlog_matched: int = 0
@@ -101,6 +103,10 @@ class RequestStats(Acceptance):
     """Prompt tokens whose KV came from the prefix cache (OpenAI's usage.prompt_tokens_details.cached_tokens)."""
     preemptions: int = 0
     """Times the request went back to the queue because the KV pool ran short (prefilled again later)."""
+    accepted_prediction_tokens: int = 0
+    """With a predicted output: its tokens that made it into the output (OpenAI's usage counts)."""
+    rejected_prediction_tokens: int = 0
+    """With a predicted output: its tokens that did not."""
 
     @property
     def tpot_s(self) -> float:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, tokenizer, stop: list[str], include_stop: bool = False, skip_special: bool = True):
         self.tokenizer = tokenizer
         self.stop = stop
+        self.include_stop = include_stop  # the stop string stays at the end of the text
+        self.skip_special = skip_special  # special tokens left out of the text
         self.ids: list[int] = []
         self.text = ""  # decoded text of ids, truncated at a stop string once one is seen
         self.sent = 0  # characters of text already released
@@ -20,18 +22,19 @@ class TextStream:
         """Continue a stream another engine started: `ids` generated there, of whose text the client
         already has `sent_chars` characters (text held back there is released from here)."""
         self.ids = list(ids)
-        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special)
         self.sent = min(sent_chars, len(self.text))
 
     def push(self, ids: list[int]) -> str:
         """Add generated ids; return newly final text. Sets `stopped` when a stop string appears."""
         self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special)
         if self.stop:
             # A stop string can only newly appear in the part not already released.
-            hits = [i for i in (text.find(s, max(0, self.sent - len(s) + 1)) for s in self.stop) if i >= 0]
+            hits = [(i, -len(s)) for s in self.stop if (i := text.find(s, max(0, self.sent - len(s) + 1))) >= 0]
             if hits:
-                text = text[: min(hits)]
+                at, neg = min(hits)  # the first; of two starting there, the longer
+                text = text[: at - neg if self.include_stop else at]
                 self.stopped = True
         self.text = text
         end = len(text) if self.stopped else self._safe_end(text)

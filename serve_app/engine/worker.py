@@ -172,7 +172,7 @@ class ModelWorker:
             self.seqs[sid] = Sequence(tokens=list(prompt), params=p, generator=gen)
             self.order.append(sid)
             self._start_controls(self.seqs[sid])
-            self.seqs[sid].kv_len = self.cache.match_prefix(sid, list(prompt))
+            self.seqs[sid].kv_len = self.cache.match_prefix(sid, list(prompt), p.cache_salt)
             cached.append(self.seqs[sid].kv_len)
             if self.feature_layers and cached[-1]:  # the draft needs these positions' features too
                 self.seqs[sid].extra["kept_features"] = cached[-1]
