@@ -167,6 +167,37 @@ class ResponsesRequest(BaseModel):
     prompt_cache_options: dict | None = None
     """Accepted without effect, except `prewarm: true` (caching without generating): refused."""
 
+    # ---- VLLM_HANDLED: vLLM's sampling extras on this endpoint (load tools such as guidellm send them) ----
+    stop: str | list[str] | None = None
+    """Generation ends before the first of these strings."""
+
+    ignore_eos: bool | None = None
+    """Generate past the end-of-sequence token, up to max_output_tokens."""
+
+    min_tokens: int | None = Field(None, ge=0)
+    """End-of-sequence is banned until this many tokens."""
+
+    top_k: int | None = Field(None, ge=-1)
+    """Keep the k most likely tokens (-1 or 0: all)."""
+
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    """Keep tokens at least min_p times as likely as the most likely one."""
+
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    """Logits of tokens already seen divided (positive) or multiplied (negative) by it."""
+
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    """Seeded sampling: the same text at any speculation length."""
+
+    priority: int | None = Field(None, ge=-(2**31), lt=2**31)
+    """Admission order while requests wait: lower first."""
+
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    """Prefix-cache entries are shared only between requests with the same salt."""
+
+    request_id: str | None = Field(None, min_length=1, max_length=256)
+    """The request's id, in the response's id (resp_<id>)."""
+
     @field_validator("input", mode="before")
     @classmethod
     def _input_shape(cls, v):
@@ -193,6 +224,10 @@ def _no_reasoning(v) -> bool:
 HANDLED = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
                      "text", "include", "top_logprobs"})
 """Fields that take effect."""
+
+VLLM_HANDLED = frozenset({"stop", "ignore_eos", "min_tokens", "top_k", "min_p", "repetition_penalty", "seed", "priority",
+                          "cache_salt", "request_id"})
+"""vLLM's extra fields that take effect here, as on chat completions."""
 
 NO_EFFECT = frozenset({"user", "safety_identifier", "metadata", "store", "service_tier", "prompt_cache_key",
                        "prompt_cache_retention", "parallel_tool_calls", "max_tool_calls", "stream_options", "image",
@@ -315,9 +350,24 @@ def to_messages(req: ResponsesRequest) -> list[dict]:
 
 def engine_params(req: ResponsesRequest, max_tokens: int) -> dict:
     """The engine's sampling parameters (serve_app.config.SamplingParams) for this request."""
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    try:
+        if any(not check_text(s, "stop") for s in stop):
+            raise ValueError("stop: stop strings must be non-empty")
+    except ValueError as e:
+        raise APIError(400, str(e), "stop", "invalid_value") from None
     params = {"max_tokens": max_tokens, "temperature": 1.0 if req.temperature is None else req.temperature,
-              "top_p": 1.0 if req.top_p is None else req.top_p, "top_k": 0, "seed": None, "stop": [],
+              "top_p": 1.0 if req.top_p is None else req.top_p, "top_k": max(req.top_k or 0, 0), "seed": req.seed,
+              "stop": stop,
               "logprobs": (req.top_logprobs or 0) if LOGPROBS in (req.include or []) else None}
+    if req.min_tokens and req.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens: {req.min_tokens} is more than max_output_tokens ({max_tokens})", "min_tokens",
+                       "invalid_value")
+    for name, off in (("ignore_eos", False), ("min_tokens", 0), ("min_p", 0.0), ("repetition_penalty", 1.0),
+                      ("priority", 0), ("cache_salt", None)):
+        value = getattr(req, name)
+        if value is not None and value != off:  # only what the request sets: plain params stay as they were
+            params[name] = value
     structured = structured_output(req.text)
     if structured is not None:  # only then: plain requests do not depend on the engine knowing the key
         params["structured"] = structured
@@ -467,7 +517,7 @@ async def create_response(ingress, request, body: dict):
             return writer.collect(firsts[0], leases[0].upstream.next)
         return _sse(writer, firsts[0], leases[0])
 
-    return await ingress.start_streams(request, [(ids, params)], stream, reply)
+    return await ingress.start_streams(request, [(ids, params)], stream, reply, req.request_id)
 
 
 async def _sse(writer: ResponseWriter, first: dict, lease):

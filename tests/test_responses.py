@@ -22,6 +22,7 @@ from deployments.ingress import APIError
 from deployments.responses import (
     HANDLED,
     NO_EFFECT,
+    VLLM_HANDLED,
     REFUSED,
     ResponsesRequest,
     ResponseWriter,
@@ -82,7 +83,8 @@ def test_every_field_of_openais_request_schema_is_classified_once():
     assert HANDLED | NO_EFFECT | refused == schema, {
         "not classified": sorted(schema - (HANDLED | NO_EFFECT | refused)),
         "not OpenAI's": sorted((HANDLED | NO_EFFECT | refused) - schema)}
-    assert set(ResponsesRequest.model_fields) == schema  # the model declares exactly those fields
+    assert set(ResponsesRequest.model_fields) == schema | VLLM_HANDLED  # exactly those fields, and vLLM's extras
+    assert not VLLM_HANDLED & schema
     assert set(REFUSED_VALUES) == set(HARMLESS_VALUES) == refused and set(NO_EFFECT_VALUES) == NO_EFFECT
 
 
@@ -100,8 +102,8 @@ def test_no_effect_fields_are_accepted_and_change_nothing_sent_to_the_engine():
 
 
 def test_unknown_fields_get_a_400_naming_them():
-    e = refusal({**BASE, "seed": 3, "messages": []})
-    assert e.param == "seed" and "'seed', 'messages'" in e.message and e.code == "unknown_parameter"
+    e = refusal({**BASE, "frequency_penalty": 3, "messages": []})
+    assert e.param == "frequency_penalty" and "'frequency_penalty', 'messages'" in e.message and e.code == "unknown_parameter"
 
 
 @pytest.mark.parametrize("body, param", [
@@ -377,3 +379,16 @@ def test_fuzzed_bodies_get_a_400_or_a_request():
             assert e.status == 400 and e.message
 
     check()
+
+
+def test_vllms_sampling_extras_take_effect_as_load_tools_send_them():
+    """guidellm sends `stop: null` and `ignore_eos: true` to /v1/responses, as vLLM takes them."""
+    plain = engine_params(parse_request(BASE), 8)
+    assert engine_params(parse_request({**BASE, "stop": None, "ignore_eos": False}), 8) == plain
+    p = engine_params(parse_request({**BASE, "stop": ["END"], "ignore_eos": True, "top_k": 5, "seed": 3, "priority": 2,
+                                     "min_tokens": 2, "cache_salt": "t"}), 8)
+    assert (p["stop"], p["ignore_eos"], p["top_k"], p["seed"], p["priority"], p["min_tokens"], p["cache_salt"]) == (
+        ["END"], True, 5, 3, 2, 2, "t")
+    with pytest.raises(APIError) as e:
+        engine_params(parse_request({**BASE, "min_tokens": 9}), 8)
+    assert e.value.param == "min_tokens"
