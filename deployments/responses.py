@@ -21,6 +21,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from serve_app import tools as toolcalls
 from serve_app.prompts import check_text, encode_chat
 
 from .ingress import APIError
@@ -222,7 +223,7 @@ def _no_reasoning(v) -> bool:
 
 
 HANDLED = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
-                     "text", "include", "top_logprobs"})
+                     "text", "include", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"})
 """Fields that take effect."""
 
 VLLM_HANDLED = frozenset({"stop", "ignore_eos", "min_tokens", "top_k", "min_p", "repetition_penalty", "seed", "priority",
@@ -230,14 +231,11 @@ VLLM_HANDLED = frozenset({"stop", "ignore_eos", "min_tokens", "top_k", "min_p", 
 """vLLM's extra fields that take effect here, as on chat completions."""
 
 NO_EFFECT = frozenset({"user", "safety_identifier", "metadata", "store", "service_tier", "prompt_cache_key",
-                       "prompt_cache_retention", "parallel_tool_calls", "max_tool_calls", "stream_options", "image",
-                       "access_programs"})
+                       "prompt_cache_retention", "max_tool_calls", "stream_options", "image", "access_programs"})
 """Fields accepted whatever their (well-typed) value, that change nothing here."""
 
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     # field: (accepts: the values that change nothing here, why any other value gets a 400)
-    "tools": (_empty, "tools are not supported here (no function calling or built-in tools)"),
-    "tool_choice": (lambda v: v in (None, "auto", "none"), "there are no tools to choose here; only 'auto' or 'none'"),
     "previous_response_id": (_unset, "nothing is stored here: send the whole conversation in `input`"),
     "conversation": (_unset, "nothing is stored here: send the whole conversation in `input`"),
     "prompt": (_unset, "there are no stored prompt templates here: send the text in `input`"),
@@ -274,7 +272,31 @@ def parse_request(body: dict) -> ResponsesRequest:
     if req.text is not None and req.text.verbosity not in (None, "medium"):
         raise APIError(400, "text.verbosity: only 'medium'", "text.verbosity", "unsupported_value")
     structured_output(req.text)  # a bad text.format is refused before any work
+    tool_choice(req)  # so are bad tools
     return req
+
+
+def tool_choice(req: ResponsesRequest) -> toolcalls.Choice:
+    """How `tools` and `tool_choice` resolve, through chat's rules (`serve_app.tools`): Responses' flat function
+    tools ({"type": "function", "name", "parameters", ...}) are chat's nested ones; built-in tools are a 400."""
+    chat_tools = []
+    for i, t in enumerate(req.tools or []):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            kind = t.get("type") if isinstance(t, dict) else None
+            raise APIError(400, f"tools[{i}]: only function tools are supported here (no built-in tools; got {kind!r})",
+                           "tools", "unsupported_value")
+        chat_tools.append({"type": "function", "function": {k: v for k, v in t.items() if k != "type"}})
+    choice = req.tool_choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    elif isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        listed = [{"type": "function", "function": {"name": t.get("name")}} if isinstance(t, dict) else t
+                  for t in choice.get("tools") or []]
+        choice = {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode"), "tools": listed}}
+    try:
+        return toolcalls.check_tool_choice(choice, toolcalls.check_tools(chat_tools), req.parallel_tool_calls is not False)
+    except toolcalls.ToolError as e:
+        raise APIError(400, str(e), e.param, "invalid_value") from None
 
 
 def structured_output(text: TextConfig | None) -> dict | None:
@@ -300,6 +322,8 @@ MEDIA_PARTS = ("input_image", "input_file", "input_audio")
 
 
 def _text(value, where: str) -> str:
+    if not isinstance(value, str):
+        raise APIError(400, f"{where}: a string", where, "invalid_value")
     try:
         return check_text(value, where)
     except ValueError as e:
@@ -339,9 +363,24 @@ def to_messages(req: ResponsesRequest) -> list[dict]:
         if not isinstance(item, dict):
             raise APIError(400, f"{where}: a message item {{'role': ..., 'content': ...}}", where, "invalid_value")
         kind = item.get("type", "message")
+        if kind == "function_call":  # an earlier answer's call: an assistant turn's tool_calls (consecutive ones: one turn)
+            call = {"id": _text(item.get("call_id"), f"{where}.call_id"), "type": "function",
+                    "function": {"name": _text(item.get("name"), f"{where}.name"),
+                                 "arguments": _text(item.get("arguments"), f"{where}.arguments")}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            continue
+        if kind == "function_call_output":  # its result: a tool turn
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": _text(item.get("call_id"), f"{where}.call_id"),
+                             "content": _content_text(output, f"{where}.output")})
+            continue
         if kind != "message":
-            raise APIError(400, f"{where}: items of type {kind!r} are not supported (text messages only: no tool "
-                           "calls, reasoning or item references)", f"{where}.type", "unsupported_value")
+            raise APIError(400, f"{where}: items of type {kind!r} are not supported (messages, function calls and their "
+                           "outputs only: no reasoning or item references)", f"{where}.type", "unsupported_value")
         if item.get("role") not in ROLES:
             raise APIError(400, f"{where}.role: one of {', '.join(ROLES)}", f"{where}.role", "invalid_value")
         messages.append({"role": item["role"], "content": _content_text(item.get("content"), f"{where}.content")})
@@ -369,6 +408,13 @@ def engine_params(req: ResponsesRequest, max_tokens: int) -> dict:
         if value is not None and value != off:  # only what the request sets: plain params stay as they were
             params[name] = value
     structured = structured_output(req.text)
+    choice = tool_choice(req)
+    forced = toolcalls.forced_schema(choice)
+    if structured is not None and choice.mode == "auto":
+        raise APIError(400, "text.format: a JSON format leaves no room for tool calls under tool_choice 'auto'; use "
+                       "'none', 'required' or a named function", "text.format", "invalid_value")
+    if forced is not None:  # the answer is calls, no text: text.format (the format of text output) has nothing to shape
+        structured = {"json_schema": forced}
     if structured is not None:  # only then: plain requests do not depend on the engine knowing the key
         params["structured"] = structured
     return params
@@ -382,7 +428,9 @@ class ResponseWriter:
                  logprobs_of: Callable[[list[int], list], list[dict]] | None = None):
         self.req, self.model, self.n_prompt = req, model, n_prompt
         # the request id in both ids, as chat's chatcmpl-<request id>: one id in the logs and the body
-        self.id, self.item_id = f"resp_{rid}", f"msg_{rid}"
+        self.id, self.item_id, self.rid = f"resp_{rid}", f"msg_{rid}", rid
+        choice = tool_choice(req)
+        self.answer = toolcalls.ChatAnswer(choice) if choice.mode != "none" else None  # calls read from or forced on the text
         self.created_at = int(time.time())
         self.logprobs_of = logprobs_of  # (token ids, the engine's logprobs) -> OpenAI's logprob entries
         self.seq = 0  # the next event's sequence_number
@@ -415,6 +463,20 @@ class ResponseWriter:
     def message(self, status: str) -> dict:
         return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": [self.part()]}
 
+    def output(self, status: str) -> list[dict]:
+        """The output items: the message, or with tools the text outside calls (if any) and a function_call
+        item per call (as chat's tool_calls)."""
+        if self.answer is None:
+            return [self.message(status)]
+        message, _ = self.answer.message("".join(self.text), self.finish_reason)
+        items = []
+        if message["content"]:
+            items.append({**self.message(status), "content": [{**self.part(), "text": message["content"]}]})
+        for i, call in enumerate(message.get("tool_calls", [])):
+            items.append({"type": "function_call", "id": f"fc_{self.rid}_{i}", "call_id": call["id"],
+                          "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status})
+        return items or [self.message(status)]
+
     def usage(self) -> dict:
         n_out = len(self.ids)
         # cache_write_tokens: the prompt tokens computed here, which the prefix cache then holds (in whole
@@ -431,14 +493,15 @@ class ResponseWriter:
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
             "completed_at": int(time.time()) if status == "completed" else None,
             "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "model": self.model, "output": [self.message(status)] if done else [],
+            "model": self.model, "output": self.output(status) if done else [],
             "usage": self.usage() if done else None,
             # the request's settings as they applied, which OpenAI's Response echoes
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "top_p": 1.0 if req.top_p is None else req.top_p, "top_logprobs": req.top_logprobs or 0,
             "text": {"format": (req.text.format if req.text else None) or {"type": "text"}, "verbosity": "medium"},
-            "tools": [], "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
             "max_tool_calls": req.max_tool_calls, "metadata": req.metadata or {}, "user": req.user,
             "safety_identifier": req.safety_identifier, "prompt_cache_key": req.prompt_cache_key,
             "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "truncation": "disabled",
@@ -462,12 +525,47 @@ class ResponseWriter:
                 return self.response(self.status())
             ev = await next_event()
 
+    def item_events(self, index: int, item: dict):
+        """A whole output item's events, opened and closed at once (a message's text or a call's arguments
+        as one delta)."""
+        at = {"item_id": item["id"], "output_index": index}
+        if item["type"] == "function_call":
+            yield self.event("response.output_item.added", output_index=index,
+                             item={**item, "arguments": "", "status": "in_progress"})
+            yield self.event("response.function_call_arguments.delta", **at, delta=item["arguments"])
+            yield self.event("response.function_call_arguments.done", **at, name=item["name"], arguments=item["arguments"])
+        else:
+            part = item["content"][0]
+            yield self.event("response.output_item.added", output_index=index,
+                             item={**item, "content": [], "status": "in_progress"})
+            yield self.event("response.content_part.added", **at, content_index=0, part={**part, "text": "", "logprobs": []})
+            yield self.event("response.output_text.delta", **at, content_index=0, delta=part["text"], logprobs=part["logprobs"])
+            yield self.event("response.output_text.done", **at, content_index=0, text=part["text"], logprobs=part["logprobs"])
+            yield self.event("response.content_part.done", **at, content_index=0, part=part)
+        yield self.event("response.output_item.done", output_index=index, item=item)
+
     async def stream(self, first: dict, next_event):
         """The events of a streamed response: created, in_progress, the message item and its text part
         opening, one output_text.delta per piece of text, their closings, then completed (or incomplete).
         An engine failure mid-way is an `error` event, and the stream ends there."""
         yield self.event("response.created", response=self.response("in_progress"))
         yield self.event("response.in_progress", response=self.response("in_progress"))
+        if self.answer is not None:  # with tools, the items are known once the text is whole: sent at the end
+            ev = first
+            while True:
+                if ev.get("error"):
+                    yield self.event("error", code="engine_error", message=ev["error"], param=None)
+                    return
+                self.add(ev)
+                if ev["finished"]:
+                    break
+                ev = await next_event()
+            status = self.status()
+            for index, item in enumerate(self.output(status)):
+                for chunk in self.item_events(index, item):
+                    yield chunk
+            yield self.event(f"response.{status}", response=self.response(status))
+            return
         item = {"type": "message", "id": self.item_id, "status": "in_progress", "role": "assistant", "content": []}
         yield self.event("response.output_item.added", output_index=0, item=item)
         at = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
@@ -501,8 +599,15 @@ async def create_response(ingress, request, body: dict):
     if max_tokens > limit:
         raise APIError(400, f"max_output_tokens: {max_tokens} is over this server's limit of {limit}",
                        "max_output_tokens", "invalid_value")
+    choice = tool_choice(req)
+    native = toolcalls.template_supports_tools(ingress.tokenizer)
+    if choice.mode == "auto" and not native:
+        raise APIError(400, "tool_choice: 'auto' (the default with tools) lets the model decide to call a tool, but this "
+                       "model's chat template does not render tools; use tool_choice 'required' or a named function "
+                       "(the output is then constrained to a call), or 'none'", "tool_choice", "unsupported_value")
+    rendered = [{"type": "function", "function": t} for t in choice.tools] if choice.mode != "none" and native else None
     try:
-        ids = encode_chat(ingress.tokenizer, to_messages(req))
+        ids = encode_chat(ingress.tokenizer, to_messages(req), tools=rendered)
     except ValueError as e:  # every message empty, or no chat template
         raise APIError(400, f"input: {e}", "input", "invalid_value") from None
     params = engine_params(req, max_tokens)

@@ -38,8 +38,6 @@ BASE = {"model": "m", "input": "the cat"}
 
 # A value of every refused field that would change the answer, and one that changes nothing.
 REFUSED_VALUES = {
-    "tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}],
-    "tool_choice": "required",
     "previous_response_id": "resp_123",
     "conversation": "conv_123",
     "prompt": {"id": "pmpt_123"},
@@ -52,13 +50,13 @@ REFUSED_VALUES = {
     "prompt_cache_options": {"prewarm": True},
 }
 HARMLESS_VALUES = {
-    "tools": [], "tool_choice": "none", "previous_response_id": None, "conversation": None, "prompt": None,
+    "previous_response_id": None, "conversation": None, "prompt": None,
     "background": False, "background_options": {}, "reasoning": {"effort": "none", "summary": None},
     "context_management": [], "moderation": None, "truncation": "disabled", "prompt_cache_options": {"ttl": "30m"},
 }
 NO_EFFECT_VALUES = {
     "user": "u1", "safety_identifier": "hashed-user", "metadata": {"k": "v"}, "store": True, "service_tier": "flex",
-    "prompt_cache_key": "key", "prompt_cache_retention": "24h", "parallel_tool_calls": False, "max_tool_calls": 3,
+    "prompt_cache_key": "key", "prompt_cache_retention": "24h", "max_tool_calls": 3,
     "stream_options": {"include_obfuscation": False}, "image": {"context_compression": "auto"},
     "access_programs": {"cyber": "standard"},
 }
@@ -144,8 +142,9 @@ def test_input_shapes_become_chat_messages_with_instructions_first():
 
 
 @pytest.mark.parametrize("item, param, words", [
-    ({"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}, "input[0].type", "function_call"),
+    ({"type": "function_call", "call_id": 7, "name": "f", "arguments": "{}"}, "input[0].call_id", "a string"),
     ({"type": "item_reference", "id": "msg_1"}, "input[0].type", "item_reference"),
+    ({"type": "reasoning", "summary": []}, "input[0].type", "reasoning"),
     ({"role": "tool", "content": "x"}, "input[0].role", "one of"),
     ({"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]},
      "input[0].content[0].type", "text only"),
@@ -153,7 +152,7 @@ def test_input_shapes_become_chat_messages_with_instructions_first():
     ({"role": "user", "content": "\ud800"}, "input[0].content", "surrogate"),
     ("the cat", "input[0]", "message item"),
 ])
-def test_input_items_that_are_not_text_messages_get_a_400(item, param, words):
+def test_input_items_that_are_not_messages_or_calls_get_a_400(item, param, words):
     with pytest.raises(APIError) as e:
         to_messages(parse_request({**BASE, "input": [item]}))
     assert e.value.status == 400 and e.value.param == param and words in e.value.message
@@ -392,3 +391,65 @@ def test_vllms_sampling_extras_take_effect_as_load_tools_send_them():
     with pytest.raises(APIError) as e:
         engine_params(parse_request({**BASE, "min_tokens": 9}), 8)
     assert e.value.param == "min_tokens"
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+def test_function_tools_are_forced_through_chats_rules():
+    """Responses' flat function tools: a named choice or "required" constrains the output to calls (the same
+    schemas as chat's); built-in tools, unknown names and JSON formats beside a call are 400s."""
+    named = engine_params(parse_request({**BASE, "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}}), 8)
+    assert named["structured"]["json_schema"]["required"] == ["city"]
+    required = engine_params(parse_request({**BASE, "tools": [WEATHER], "tool_choice": "required"}), 8)
+    assert required["structured"]["json_schema"]["type"] == "array"
+    assert "structured" not in engine_params(parse_request({**BASE, "tools": [WEATHER], "tool_choice": "none"}), 8)
+    json_too = {**BASE, "tools": [WEATHER], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}
+    assert engine_params(parse_request(json_too), 8) == required  # a forced call leaves no text for the format
+    for body, param in [({"tools": [{"type": "web_search"}]}, "tools"),
+                        ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+                        ({"tools": [WEATHER], "tool_choice": "auto", "text": {"format": {"type": "json_object"}}},
+                         "text.format")]:
+        with pytest.raises(APIError) as e:
+            engine_params(parse_request({**BASE, **body}), 8)
+        assert e.value.param == param, body
+
+
+def test_calls_come_back_as_function_call_items_and_go_back_as_history():
+    req = parse_request({**BASE, "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}})
+    writer = ResponseWriter(req, "r1", "m", 5)
+    writer.add({"text": '{"city": "Paris"}', "token_ids": [1, 2], "finished": True, "finish_reason": "stop"})
+    [item] = writer.response("completed")["output"]
+    assert item["type"] == "function_call" and item["name"] == "get_weather" and item["arguments"] == '{"city": "Paris"}'
+    assert item["call_id"].startswith("call_") and item["id"] == "fc_r1_0"
+    history = [{"role": "user", "content": "weather?"},
+               {"type": "function_call", "call_id": item["call_id"], "name": "get_weather", "arguments": item["arguments"]},
+               {"type": "function_call_output", "call_id": item["call_id"], "output": "sunny"}]
+    messages = to_messages(parse_request({**BASE, "input": history}))
+    assert messages[1] == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": item["call_id"], "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    assert messages[2] == {"role": "tool", "tool_call_id": item["call_id"], "content": "sunny"}
+
+
+def test_streamed_calls_are_whole_items_at_the_end():
+    import asyncio
+
+    req = parse_request({**BASE, "stream": True, "tools": [WEATHER], "tool_choice": "required"})
+    writer = ResponseWriter(req, "r2", "m", 5)
+    text = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    first = {"text": text[:10], "token_ids": [1], "finished": False, "finish_reason": None}
+    rest = [{"text": text[10:], "token_ids": [2], "finished": True, "finish_reason": "stop"}]
+
+    async def nxt():
+        return rest.pop(0)
+
+    async def run():
+        return [chunk async for chunk in writer.stream(first, nxt)]
+
+    events = [json.loads(c.split("data: ", 1)[1]) for c in asyncio.run(run())]
+    kinds = [e["type"] for e in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"]
+    assert json.loads(events[4]["arguments"]) == {"city": "Oslo"} and events[-1]["response"]["output"][0]["name"] == "get_weather"

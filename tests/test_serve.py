@@ -12,11 +12,13 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 import ray
 from openai import APIError, OpenAI
+from pydantic import BaseModel
 from ray import serve
 from ray.cluster_utils import Cluster
 
@@ -794,13 +796,13 @@ def test_responses_api_logprobs_no_effect_fields_and_refusals(service):
                                   tool_choice="auto")
     assert accepted.output_text == base.output_text and accepted.metadata == {"k": "v"}
 
-    for field, value in [("tools", [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}]),
+    for field, value in [("tools", [{"type": "web_search"}]),
                          ("previous_response_id", base.id), ("background", True), ("reasoning", {"effort": "high"})]:
         with pytest.raises(APIError) as e:
             c.responses.create(model=MODEL, input="the cat", **{field: value})
         assert e.value.status_code == 400 and e.value.param == field and field in e.value.message
-    r = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "input": "the cat", "seed": 1})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    r = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "input": "the cat", "frequency_penalty": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "frequency_penalty"
     r = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "input": "the cat", "max_output_tokens": 500})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens"
     r = httpx.post(f"{url}/v1/responses", content="[1, 2]", headers={"content-type": "application/json"})
@@ -1151,3 +1153,97 @@ def test_predicted_outputs_and_vllm_extras_through_the_service(smol, service):
     r = httpx.post(f"{url}/v1/completions", json={"model": "smol", "prompt": "Hello", "max_tokens": 3, "request_id": "r-7"},
                    timeout=60)
     assert r.json()["id"] == "cmpl-r-7" and len(r.headers.get_list("x-request-id")) == 1  # Serve's proxy sets it
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+
+
+def test_langchain_openai_invokes_streams_structures_and_calls_tools(smol):
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=str(smol.base_url), api_key="unused", model="smol", temperature=0, max_tokens=40)
+    text = llm.invoke("Hello")
+    assert text.content and "".join(c.content for c in llm.stream("Hello")) == text.content
+    for method in ("json_schema", "function_calling"):
+        person = llm.with_structured_output(Person, method=method).invoke("Ann is 3 years old.")
+        assert isinstance(person, Person), method
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return "sunny"
+
+    [call] = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("Weather in Paris?").tool_calls
+    assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
+
+
+def test_openai_agents_on_chat_and_responses_models(smol):
+    import asyncio
+
+    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool,
+                        set_tracing_disabled)
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    settings = ModelSettings(max_tokens=60, temperature=0)
+
+    def model(kind):  # a client per run: run_sync gives each run its own event loop
+        client = AsyncOpenAI(base_url=str(smol.base_url), api_key="unused", max_retries=0)
+        return (OpenAIChatCompletionsModel if kind == "chat" else OpenAIResponsesModel)(model="smol", openai_client=client)
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return f"sunny in {city}"
+
+    for kind in ("chat", "responses"):
+        assert Runner.run_sync(Agent(name="a", instructions="Be brief.", model=model(kind), model_settings=settings), "Hello").final_output
+        typed = Runner.run_sync(Agent(name="a", model=model(kind), output_type=Person, model_settings=settings), "Ann is 3.")
+        assert isinstance(typed.final_output, Person), kind
+        forced = Agent(name="a", model=model(kind), tools=[get_weather], tool_use_behavior="stop_on_first_tool",
+                       model_settings=ModelSettings(max_tokens=60, temperature=0, tool_choice="get_weather"))
+        assert Runner.run_sync(forced, "Weather in Paris?").final_output.startswith("sunny in"), kind
+
+    async def streamed():
+        run = Runner.run_streamed(Agent(name="a", model=model("chat"), model_settings=settings), "Hello")
+        events = [ev async for ev in run.stream_events()]
+        return len(events), run.final_output
+
+    n, text = asyncio.run(streamed())
+    assert n > 3 and text
+
+
+def test_instructor_in_tools_json_schema_and_responses_modes(smol):
+    import instructor
+    from openai import OpenAI
+
+    for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
+        client = instructor.from_openai(OpenAI(base_url=str(smol.base_url), api_key="unused"), mode=mode)
+        person = client.chat.completions.create(model="smol", response_model=Person, max_tokens=60, temperature=0,
+                                                messages=[{"role": "user", "content": "Ann is 3 years old."}])
+        assert isinstance(person, Person), mode
+    client = instructor.from_openai(OpenAI(base_url=str(smol.base_url), api_key="unused"), mode=instructor.Mode.RESPONSES_TOOLS)
+    person = client.responses.create(model="smol", response_model=Person, input="Ann is 3 years old.", max_output_tokens=60,
+                                     temperature=0)
+    assert isinstance(person, Person)
+
+
+def test_guidellm_runs_a_concurrent_benchmark_with_no_errors(smol, service, tmp_path):
+    """vLLM's own load tool, as its users run it: it checks /health, then streams chat completions with
+    stream_options.continuous_usage_stats and ignore_eos, 4 at a time."""
+    from serve_app.models import load_tokenizer
+
+    load_tokenizer("embedded").save_pretrained(tmp_path / "tokenizer")  # its synthetic prompts are counted with it
+    out = tmp_path / "guidellm.json"
+    cmd = [str(Path(sys.executable).parent / "guidellm"), "run", "--backend", f"kind=openai_http,target={service['url']}/smol",
+           "--profile", "kind=concurrent,streams=4", "--constraint", "kind=max_requests,count=8",
+           "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=12",
+           "--tokenizer", f"kind=huggingface_auto,model={tmp_path / 'tokenizer'}", "--output", f"kind=json,path={out}",
+           "--disable-console-interactive"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    [bench] = json.loads(out.read_text())["benchmarks"]
+    assert bench["metrics"]["request_totals"] == {"successful": 8, "errored": 0, "incomplete": 0, "total": 8}
