@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from serve_app import tools as toolcalls
 from serve_app.prompts import check_text, encode_chat
 
-from .ingress import APIError
+from .errors import APIError
 
 DEFAULT_MAX_OUTPUT_TOKENS = 256
 """Tokens generated when `max_output_tokens` is not given (as chat's default), or the server's
@@ -547,46 +547,39 @@ class ResponseWriter:
     async def stream(self, first: dict, next_event):
         """The events of a streamed response: created, in_progress, the message item and its text part
         opening, one output_text.delta per piece of text, their closings, then completed (or incomplete).
-        An engine failure mid-way is an `error` event, and the stream ends there."""
+        With tools the items (text outside calls, calls) are known once the text is whole: each goes out whole
+        at the end. An engine failure mid-way is an `error` event, and the stream ends there."""
         yield self.event("response.created", response=self.response("in_progress"))
         yield self.event("response.in_progress", response=self.response("in_progress"))
-        if self.answer is not None:  # with tools, the items are known once the text is whole: sent at the end
-            ev = first
-            while True:
-                if ev.get("error"):
-                    yield self.event("error", code="engine_error", message=ev["error"], param=None)
-                    return
-                self.add(ev)
-                if ev["finished"]:
-                    break
-                ev = await next_event()
-            status = self.status()
-            for index, item in enumerate(self.output(status)):
-                for chunk in self.item_events(index, item):
-                    yield chunk
-            yield self.event(f"response.{status}", response=self.response(status))
-            return
-        item = {"type": "message", "id": self.item_id, "status": "in_progress", "role": "assistant", "content": []}
-        yield self.event("response.output_item.added", output_index=0, item=item)
+        live = self.answer is None  # text streams as it comes
         at = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
-        yield self.event("response.content_part.added", **at,
-                         part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+        if live:
+            item = {"type": "message", "id": self.item_id, "status": "in_progress", "role": "assistant", "content": []}
+            yield self.event("response.output_item.added", output_index=0, item=item)
+            yield self.event("response.content_part.added", **at,
+                             part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
         ev = first
         while True:
             if ev.get("error"):
                 yield self.event("error", code="engine_error", message=ev["error"], param=None)
                 return
             self.add(ev)
-            if ev["text"] or ev.get("logprobs"):
+            if live and (ev["text"] or ev.get("logprobs")):
                 yield self.event("response.output_text.delta", **at, delta=ev["text"],
                                  logprobs=self.entries(ev["token_ids"], ev.get("logprobs")))
             if ev["finished"]:
                 break
             ev = await next_event()
-        status, part = self.status(), self.part()
-        yield self.event("response.output_text.done", **at, text=part["text"], logprobs=part["logprobs"])
-        yield self.event("response.content_part.done", **at, part=part)
-        yield self.event("response.output_item.done", output_index=0, item=self.message(status))
+        status = self.status()
+        if live:
+            part = self.part()
+            yield self.event("response.output_text.done", **at, text=part["text"], logprobs=part["logprobs"])
+            yield self.event("response.content_part.done", **at, part=part)
+            yield self.event("response.output_item.done", output_index=0, item=self.message(status))
+        else:
+            for index, item in enumerate(self.output(status)):
+                for chunk in self.item_events(index, item):
+                    yield chunk
         yield self.event(f"response.{status}", response=self.response(status))
 
 
