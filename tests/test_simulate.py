@@ -187,7 +187,7 @@ def test_validation_flags_errors_and_orders_and_runs_on_a_tiny_pair(tiny_model_d
                  "--out", str(prof)]) == 0
     out = tmp_path / "v"
     code = main(["simulate", "--validate", "--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"],
-                 "--profile", str(prof), "--policy", "none,fixed:2", "--scale", "0.15", "--out", str(out)])
+                 "--profile", str(prof), "--policy", "none,fixed:2", "--scale", "0.08", "--out", str(out)])
     r = json.loads((out / "results.json").read_text())
     assert set(r["error"]) == {"none", "fixed:2"} and r["requests"] >= 3
     for p, e in r["error"].items():

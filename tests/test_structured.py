@@ -135,10 +135,11 @@ def test_float32_greedy_with_controls_is_the_target_alone_at_any_k(models):
     prompts = [chat_ids(models, t) for t in ("Say hi.", "Describe the sea in one sentence.", "List three fruits.")]
 
     def reference(ids, c):
-        out = []
+        out, cache, feed = [], None, ids
         while len(out) < 24:
             with torch.no_grad():
-                x = models.target(torch.tensor([ids + out])).logits[0, -1].float()
+                o = models.target(torch.tensor([feed]), past_key_values=cache, use_cache=True)
+            cache, x = o.past_key_values, o.logits[0, -1].float()
             if len(out) < c.get("min_tokens", 0):
                 x[eos] = float("-inf")
             for t, v in c.get("logit_bias", {}).items():
@@ -149,6 +150,7 @@ def test_float32_greedy_with_controls_is_the_target_alone_at_any_k(models):
                 n = out.count(t)
                 x[t] -= c.get("frequency_penalty", 0.0) * n + c.get("presence_penalty", 0.0) * (n > 0)
             out.append(int(x.argmax()))
+            feed = out[-1:]
             if out[-1] in eos:
                 break
         return out
