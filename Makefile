@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.specserve-installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install serve run test bench bench-http profile bench-policies distill distill-corpus clean
+.PHONY: install serve run test test-slow bench bench-http profile bench-policies distill distill-corpus clean
 
 # torch is pinned to the local CPU wheel (an unpinned torch pulls GBs of CUDA); on GPU machines
 # install torch for your CUDA first (docs/development.md, "GPU install"), then `pip install -e .`.
@@ -39,6 +39,9 @@ run: install  ## offline: generate completions for the example prompts on the em
 
 test: install  ## the whole default test suite (CPU, no network)
 	$(PY) -m pytest -q
+
+test-slow: install  ## the tests marked slow, left out of `make test` (guidellm's load run, the .gguf conversion check)
+	$(PY) -m pytest -q -m slow
 
 bench: install  ## engine tokens/s vs Hugging Face generate, printed as ratios (results/bench-engine-<hardware>.md)
 	$(VENV)/bin/specserve bench engine

@@ -387,8 +387,9 @@ def to_messages(req: ResponsesRequest) -> list[dict]:
     return messages
 
 
-def engine_params(req: ResponsesRequest, max_tokens: int) -> dict:
-    """The engine's sampling parameters (serve_app.config.SamplingParams) for this request."""
+def engine_params(req: ResponsesRequest, max_tokens: int, choice: toolcalls.Choice | None = None) -> dict:
+    """The engine's sampling parameters (serve_app.config.SamplingParams) for this request (choice: how its
+    tools resolved, if the caller has it already)."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
         if any(not check_text(s, "stop") for s in stop):
@@ -408,7 +409,7 @@ def engine_params(req: ResponsesRequest, max_tokens: int) -> dict:
         if value is not None and value != off:  # only what the request sets: plain params stay as they were
             params[name] = value
     structured = structured_output(req.text)
-    choice = tool_choice(req)
+    choice = choice or tool_choice(req)
     forced = toolcalls.forced_schema(choice)
     if structured is not None and choice.mode == "auto":
         raise APIError(400, "text.format: a JSON format leaves no room for tool calls under tool_choice 'auto'; use "
@@ -425,11 +426,11 @@ class ResponseWriter:
     ({text, token_ids, finished, finish_reason, logprobs?, stats?} or {error})."""
 
     def __init__(self, req: ResponsesRequest, rid: str, model: str, n_prompt: int,
-                 logprobs_of: Callable[[list[int], list], list[dict]] | None = None):
+                 logprobs_of: Callable[[list[int], list], list[dict]] | None = None, choice: toolcalls.Choice | None = None):
         self.req, self.model, self.n_prompt = req, model, n_prompt
         # the request id in both ids, as chat's chatcmpl-<request id>: one id in the logs and the body
         self.id, self.item_id, self.rid = f"resp_{rid}", f"msg_{rid}", rid
-        choice = tool_choice(req)
+        choice = choice or tool_choice(req)
         self.answer = toolcalls.ChatAnswer(choice) if choice.mode != "none" else None  # calls read from or forced on the text
         self.created_at = int(time.time())
         self.logprobs_of = logprobs_of  # (token ids, the engine's logprobs) -> OpenAI's logprob entries
@@ -603,14 +604,14 @@ async def create_response(ingress, request, body: dict):
         ids = encode_chat(ingress.tokenizer, to_messages(req), tools=rendered)
     except ValueError as e:  # every message empty, or no chat template
         raise APIError(400, f"input: {e}", "input", "invalid_value") from None
-    params = engine_params(req, max_tokens)
+    params = engine_params(req, max_tokens, choice)
     stream = bool(req.stream)
 
     def logprobs_of(token_ids: list[int], lps: list) -> list[dict]:
         return ingress._format_logprobs(token_ids, lps, chat=True)["content"]  # chat's entries are Responses' too
 
     def reply(firsts: list[dict], leases: list, rid: str):
-        writer = ResponseWriter(req, rid, ingress.model_name, len(ids), logprobs_of)
+        writer = ResponseWriter(req, rid, ingress.model_name, len(ids), logprobs_of, choice)
         if not stream:
             return writer.collect(firsts[0], leases[0].upstream.next)
         return _sse(writer, firsts[0], leases[0])

@@ -79,6 +79,7 @@ def test_truncated_draft_bounds(models):
         truncated_draft(models.target, 31)
 
 
+@pytest.mark.slow  # ~35 s; every other embedded test loads the converted copy this checks against the .gguf
 def test_embedded_loads_from_a_converted_copy_identical_to_the_gguf(tmp_path, monkeypatch):
     """The .gguf is converted once to safetensors (what every later start reads: ~1 s, not ~15 s);
     the copy computes exactly what the .gguf does and tokenizes the same."""

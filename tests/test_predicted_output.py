@@ -105,3 +105,9 @@ def test_a_prediction_longer_than_max_tokens_drafts_only_what_is_left(tiny_targe
     engine.on_step.append(lambda st: drafted.append(st.predicted))
     [r] = run(engine, [[1, 2, 3]], [plain.output_ids + list(range(5, 90))], max_tokens=6)
     assert r.output_ids == plain.output_ids and max(drafted) == 6 - 1 - 1  # the first token came from prefill
+
+
+def test_a_prediction_past_the_context_limit_is_refused(tiny_target):
+    engine = make_engine(tiny_target, max_model_len=64)
+    with pytest.raises(ValueError, match="prediction has 65 tokens"):
+        engine.submit([1, 2, 3], SamplingParams(max_tokens=4, predicted_output=[5] * 65))

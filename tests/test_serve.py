@@ -1173,6 +1173,7 @@ def test_instructor_in_tools_json_schema_and_responses_modes(smol):
     assert isinstance(person, Person)
 
 
+@pytest.mark.slow
 def test_guidellm_runs_a_concurrent_benchmark_with_no_errors(smol, service, tmp_path):
     """vLLM's own load tool, as its users run it: it checks /health, then streams chat completions with
     stream_options.continuous_usage_stats and ignore_eos, 4 at a time."""

@@ -39,10 +39,7 @@ class PredictedOutput:
         self.pos: int | None = 0 if self.tokens else None
         """Index of the predicted token expected next; None: lost until a suffix of the output re-aligns."""
         self.last = 0  # where the alignment was last: re-aligning prefers occurrences after it
-        self.index: dict[tuple[int, ...], list[int]] = {}  # n-gram -> positions right after it, ascending
-        for e in range(1, len(self.tokens) + 1):
-            for n in range(1, min(MAX_N, e) + 1):
-                self.index.setdefault(tuple(self.tokens[e - n : e]), []).append(e)
+        self._index: dict[tuple[int, ...], list[int]] | None = None  # built at the first re-alignment
         self.matched = 0  # output tokens that followed the prediction (OpenAI's accepted prediction tokens)
         self.window: int | None = None
         """Most predicted tokens to propose next (None: no limit but the engine's): after a rejection, twice the
@@ -76,6 +73,16 @@ class PredictedOutput:
                 self.pos = None
         if self.pos is None:
             self.pos = self._realign(output)
+
+    @property
+    def index(self) -> dict[tuple[int, ...], list[int]]:
+        """n-gram (1..MAX_N tokens) of the prediction -> the positions right after it, ascending."""
+        if self._index is None:
+            self._index = {}
+            for e in range(1, len(self.tokens) + 1):
+                for n in range(1, min(MAX_N, e) + 1):
+                    self._index.setdefault(tuple(self.tokens[e - n : e]), []).append(e)
+        return self._index
 
     def _realign(self, output: list[int]) -> int | None:
         for n in range(min(MAX_N, len(output)), 0, -1):

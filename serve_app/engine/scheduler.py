@@ -28,7 +28,6 @@ from typing import AsyncIterator, Callable
 
 import torch
 
-
 from serve_app.config import EngineConfig, SamplingParams
 from serve_app.engine import grammar
 from serve_app.engine.policy import BatchState, Policy, fit_choice, make_policy
@@ -190,6 +189,9 @@ class Engine:
             )
         if any(not 0 <= t < self.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt holds token ids outside the vocabulary [0, {self.vocab_size})")
+        if len(params.predicted_output) > self.max_model_len:  # it could never all be output
+            raise ValueError(f"prediction has {len(params.predicted_output)} tokens, more than the context limit "
+                             f"({self.max_model_len})")
         if len(params.stop) > self.config.max_stop_strings:
             raise ValueError(f"at most {self.config.max_stop_strings} stop strings, got {len(params.stop)}")
         params = self._with_controls(params, n)
