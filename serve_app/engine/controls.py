@@ -34,7 +34,6 @@ class Controls:
         self.ban_rows = [b for b in range(n) if params[b].min_tokens or params[b].bad_words_ids]
         self.pen_rows = [b for b in range(n) if _penalized(params[b])]
         self.allow_rows = [b for b in range(n) if params[b].allowed_token_ids]
-        self._allow: dict[int, torch.Tensor] = {}  # row -> [V] bool, built at first use
         if self.bias_rows:
             self._bias = self._sparse([(b, t, v) for b in self.bias_rows for t, v in params[b].logit_bias.items()])
         if self.pen_rows:
@@ -83,7 +82,7 @@ class Controls:
             self._add_sparse(x, self._bias, local)
         for b in self.allow_rows:
             if b in local:
-                x[local[b]].masked_fill_(~self._allowed(b, x.shape[-1], x.device), float("-inf"))
+                self._allow_only(x[local[b]], b)
         if self.pen_rows:
             self._penalize(x, local, j, extra)
         return x
@@ -108,12 +107,13 @@ class Controls:
     def _touches(self, b: int) -> bool:
         return has_controls(self.params[b]) or self.guides[b] is not None
 
-    def _allowed(self, b: int, vocab: int, device) -> torch.Tensor:
-        """Row b's allowed_token_ids as a [vocab] mask (ids past a draft's narrower logits drop out)."""
-        if b not in self._allow:
-            ids = torch.tensor([t for t in self.params[b].allowed_token_ids if t < vocab], dtype=torch.long)
-            self._allow[b] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True).to(device)
-        return self._allow[b]
+    def _allow_only(self, row: torch.Tensor, b: int) -> None:
+        """row [V]: every logit but row b's allowed_token_ids becomes -inf, in place on the row's device (no
+        vocabulary-sized mask built or copied; ids past a draft's narrower logits drop out)."""
+        ids = torch.tensor([t for t in self.params[b].allowed_token_ids if t < row.shape[-1]], dtype=torch.long,
+                           device=row.device)
+        kept = row.index_select(0, ids)
+        row.fill_(float("-inf")).index_copy_(0, ids, kept)
 
     def _banned(self, b: int, j: int, drafted: list[int]) -> list[int]:
         p = self.params[b]
