@@ -55,16 +55,17 @@ def test_cached_blocks_outlive_their_sequence_until_memory_is_needed():
         kv.reserve("d", 1)
 
 
-@pytest.mark.parametrize("short_context", [256, 4], ids=["one-group", "grouped-by-context"])
-def test_packed_forward_matches_the_model_alone(tiny_target, monkeypatch, short_context):
+@pytest.mark.parametrize("backend,short_context", [("gather", 256), ("gather", 4), ("flex", 0)],
+                         ids=["gather-one-group", "gather-grouped-by-context", "flex"])
+def test_packed_forward_matches_the_model_alone(tiny_target, monkeypatch, backend, short_context):
     """Rows at different positions, one of them a long chunk, in one packed forward: each row's logits
-    are the plain model's over its whole context (short rows in one attention call, or split by context
-    length)."""
-    from serve_app.engine import kv
+    are the plain model's over its whole context, with every attention backend (gather: short rows in
+    one attention call, or split by context length; flex: the pool read in place)."""
+    from serve_app.engine import attention
 
-    monkeypatch.setattr(kv, "SHORT_CONTEXT", short_context)
+    monkeypatch.setattr(attention, "SHORT_CONTEXT", short_context)
     w = ModelWorker(tiny_target, "target")
-    w.configure_kv(block_size=4, max_blocks=256)
+    assert w.configure_kv(block_size=4, max_blocks=256, attention_backend=backend) == backend
     prompts = {"a": list(range(3, 13)), "b": [5, 6], "c": list(range(10, 90))}
     w.add(list(prompts), list(prompts.values()), [SamplingParams()] * 3)
     w.verify(["a", "b"], Proposal.empty(2), chunks={"c": 50})  # c: a chunk of 50 of its 80 tokens

@@ -15,8 +15,8 @@ needed, then the least recently used goes first. Shared blocks are full and neve
 A forward is packed: the fed tokens of all sequences form one row [1, T] through the model's linear
 layers (no padding compute: a 512-token prefill chunk and 32 decode rows cost 512 + 32 * (k + 1)
 tokens), and attention (`paged_attention`, registered with transformers' AttentionInterface) reads
-each sequence's keys and values from its blocks: short rows (decoding, verifying) together in one
-padded SDPA call, each longer row (a prefill chunk) in its own.
+each sequence's keys and values from its blocks through an attention backend (`engine/attention.py`:
+gather, which copies them out for SDPA, or flex_attention, which reads the pool in place).
 
 Why not transformers' own paged cache (generation/continuous_batching): its SDPA path attends over the
 whole packed batch with a [T, total keys] mask (the batch's cost squared) and its fast path needs the
@@ -34,18 +34,12 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
+from serve_app.engine import attention
+from serve_app.engine.attention import TRASH  # noqa: F401  (block 0: never handed out)
+
 ATTENTION = "specserve_paged"
 """The attention implementation name a worker's model runs under during its forwards."""
 
-TRASH = 0
-"""Block 0 is never handed out: padded reads in a batched attention call point there (masked)."""
-
-SHORT_CONTEXT = 256
-"""Short rows whose contexts are all under twice this many tokens share one call whatever their spread."""
-
-SHORT_ROW = 16
-"""Rows feeding at most this many tokens (or twice the fewest any row feeds) share one attention call;
-longer ones (prefill chunks) get their own."""
 
 
 class OutOfBlocks(RuntimeError):
@@ -65,16 +59,20 @@ class KVStats:
 class PagedKV(Cache):
     """HF-compatible cache over a block pool per layer, with block tables and a prefix cache."""
 
-    def __init__(self, block_size: int = 16, max_blocks: int = 4096, prefix_caching: bool = True) -> None:
+    def __init__(self, block_size: int = 16, max_blocks: int = 4096, prefix_caching: bool = True,
+                 attention_backend: str = "gather", preallocate: bool = False) -> None:
         super().__init__(layers=[])
+        self.attention = attention_backend
+        """The attention backend its forwards run (`engine/attention.py`, already chosen: not `auto`)."""
         self.block_size = block_size
         self.max_blocks = max_blocks
         """Most blocks the pool may grow to (block 0, the trash block, included)."""
         self.prefix_caching = prefix_caching
         self.keys: list[torch.Tensor] = []  # per layer [num_blocks * block_size, kv_heads, head_dim]
         self.values: list[torch.Tensor] = []
-        self.num_blocks = 1  # blocks the pool has now (grown on demand, amortised)
-        self.free: list[int] = []
+        self.num_blocks = max_blocks if preallocate else 1  # blocks the pool has now (grown on demand,
+        # amortised, where memory is shared; all at once where it is sized for the pool, a GPU's)
+        self.free: list[int] = list(range(self.num_blocks - 1, 0, -1))
         self.refs: dict[int, int] = {}  # block -> sequences holding it
         self.tables: dict[str, list[int]] = {}  # sequence -> its blocks in position order
         self.chains: dict[str, list[bytes]] = {}  # sequence -> hashes of its first full, committed blocks
@@ -237,33 +235,18 @@ def _block_hash(parent: bytes, tokens: list[int]) -> bytes:
 
 # ---- packed forwards ---------------------------------------------------------------------------
 @dataclass
-class Group:
-    """Rows attended together: queries q_index [B, T] into the packed tokens (pads repeat a real one),
-    keys kv_slots [B, L] into the pool (pads: the trash block), mask [B, 1, T, L] (a query sees keys
-    at positions <= its own); None: one row whose keys are exactly its queries, plain causal."""
-
-    q_index: torch.Tensor
-    q_valid: torch.Tensor
-    kv_slots: torch.Tensor
-    mask: torch.Tensor | None
-
-
-@dataclass
 class PackedBatch:
-    """Where one forward's tokens go and what each attends to."""
+    """Where one forward's tokens go and what each attends to (`layout`: the attention backend's)."""
 
     slots: torch.Tensor  # [T] pool slot of each fed token
-    groups: list[Group]
+    layout: object  # attention.layout(backend, ...): gather's groups or flex's tiles
     cache: PagedKV
     _on: dict = field(default_factory=dict)  # device -> this batch there (a model split over devices)
 
     def on(self, device) -> "PackedBatch":
         if device not in self._on:
-            move = lambda t: None if t is None else t.to(device)  # noqa: E731
-            self._on[device] = PackedBatch(
-                self.slots.to(device),
-                [Group(move(g.q_index), move(g.q_valid), move(g.kv_slots), move(g.mask)) for g in self.groups],
-                self.cache, {})
+            lay = self.layout.to(device) if hasattr(self.layout, "to") else [g.to(device) for g in self.layout]
+            self._on[device] = PackedBatch(self.slots.to(device, non_blocking=True), lay, self.cache, {})
         return self._on[device]
 
 
@@ -273,59 +256,28 @@ def pack(cache: PagedKV, sids: list[str], fed: list[list[int]], starts: list[int
     at positions starts[b], starts[b] + 1, ...), with blocks reserved for them; and the PackedBatch
     that tells `paged_attention` where they go. Rows feeding nothing are left out."""
     ids, pos, slots = [], [], []
-    rows = []  # (sid, offset into the packed tokens, n, start)
+    rows: list[attention.Row] = []
     for sid, tokens, start in zip(sids, fed, starts):
         n = len(tokens)
         if not n:
             continue
         cache.reserve(sid, start + n)
         p = torch.arange(start, start + n)
-        rows.append((sid, len(ids), n, start))
+        rows.append(attention.Row(len(ids), n, start, cache.tables[sid]))
         ids += tokens
         pos.append(p)
         slots.append(cache.slots(sid, p))
     pos_t = torch.cat(pos)
-    # Rows feeding about as few tokens as the shortest (decoding, verifying) share padded attention calls,
-    # grouped by context length (within 2x of each other) so short contexts do not pad to a long one's;
-    # a row feeding many more (a prefill chunk) gets its own call, so nobody pads to its width.
-    width = max(SHORT_ROW, 2 * min(r[2] for r in rows))
-    groups, group = [], []
-    for r in sorted((r for r in rows if r[2] <= width), key=lambda r: r[3] + r[2]):
-        if group and r[3] + r[2] > 2 * max(SHORT_CONTEXT, group[0][3] + group[0][2]):
-            groups.append(_group(cache, group, pos_t))
-            group = []
-        group.append(r)
-    if group:
-        groups.append(_group(cache, group, pos_t))
-    groups += [_group(cache, [r], pos_t) for r in rows if r[2] > width]
-    batch = PackedBatch(torch.cat(slots), groups, cache)
+    lay = attention.layout(cache.attention, rows, pos_t, cache.block_size, cache.num_blocks)
+    batch = PackedBatch(torch.cat(slots), lay, cache)
     batch = batch.on(torch.device(device))
     return (torch.tensor([ids], device=device), pos_t[None].to(device), batch)
 
 
-def _group(cache: PagedKV, rows: list[tuple], pos: torch.Tensor) -> Group:
-    bs = cache.block_size
-    width = max(n for _, _, n, _ in rows)
-    length = max(start + n for _, _, n, start in rows)
-    col = torch.arange(width)
-    q_index = torch.stack([off + torch.clamp(col - (width - n), min=0) for _, off, n, _ in rows])  # [B, T]
-    q_valid = torch.stack([col >= width - n for _, _, n, _ in rows])
-    nblk = -(-length // bs)
-    tables = torch.full((len(rows), nblk), TRASH, dtype=torch.long)
-    for b, (sid, _, _, _) in enumerate(rows):
-        t = cache.tables[sid][:nblk]
-        tables[b, : len(t)] = torch.tensor(t, dtype=torch.long)
-    kv_slots = (tables[:, :, None] * bs + torch.arange(bs)).reshape(len(rows), -1)[:, :length]  # [B, L]
-    if len(rows) == 1 and rows[0][3] == 0:  # a prompt's first chunk: keys = its queries, plain causal
-        return Group(q_index, q_valid, kv_slots, None)
-    qpos = pos[q_index]  # [B, T]
-    mask = torch.arange(length)[None, None, :] <= qpos[:, :, None]
-    return Group(q_index, q_valid, kv_slots, mask[:, None])
-
-
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention over the paged pool for a packed forward (query [1, H, T, D]). Workers set this
-    implementation only around their own forwards, which always pass `specserve_batch`."""
+    """Attention over the paged pool for a packed forward (query [1, H, T, D]), by the cache's backend
+    (`engine/attention.py`). Workers set this implementation only around their own forwards, which
+    always pass `specserve_batch`."""
     batch: PackedBatch | None = kwargs.pop("specserve_batch", None)
     if batch is None:  # a model wrapper dropped the attention kwargs: attending to this forward's keys
         raise RuntimeError(  # alone would be silently wrong, so refuse
@@ -335,17 +287,42 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     cache = batch.cache
     k_pool, v_pool = cache.keys[module.layer_idx], cache.values[module.layer_idx]
     q = query[0].transpose(0, 1)  # [T, H, D]
-    out = torch.empty_like(q)
-    gqa = q.shape[1] != k_pool.shape[1]
-    for g in batch.groups:
-        b, width = g.q_index.shape
-        qg = q[g.q_index].transpose(1, 2)  # [B, H, T, D]
-        kg = k_pool[g.kv_slots].transpose(1, 2)  # [B, kv_heads, L, D]
-        vg = v_pool[g.kv_slots].transpose(1, 2)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qg, kg, vg, attn_mask=g.mask, is_causal=g.mask is None, scale=scaling, enable_gqa=gqa)
-        out[g.q_index[g.q_valid]] = o.transpose(1, 2)[g.q_valid]
-    return out[None], None  # [1, T, H, D]
+    return attention.attend(cache.attention, q, k_pool, v_pool, batch.layout, scaling)[None], None  # [1, T, H, D]
 
 
 AttentionInterface.register(ATTENTION, paged_attention)
+
+
+# ---- pool size from device memory --------------------------------------------------------------
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes one token's keys and values take over all layers of a model with this (HF) config."""
+    text = getattr(config, "text_config", None) or config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return 2 * text.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def kv_pool_tokens(total: int, used: int, utilization: float, share: float, per_token: int) -> int:
+    """KV tokens that fit in `utilization` x `share` of a device's `total` bytes beside `used` bytes (the
+    weights and one forward's peak activations): vLLM's gpu_memory_utilization, per role on a shared GPU.
+    Raises when nothing fits: the model alone fills the part of the device it may use."""
+    room = int(total * utilization * share) - used
+    if room < per_token:
+        raise ValueError(f"no room for a KV pool: {used / 2**30:.2f} GiB used of the {total * utilization * share / 2**30:.2f} GiB "
+                         f"this worker may use ({utilization:g} gpu_memory_utilization x {share:g} of a "
+                         f"{total / 2**30:.1f} GiB device); raise gpu_memory_utilization or give the role more GPU")
+    return room // per_token
+
+
+def cuda_memory(model, probe_tokens: int) -> tuple[int, int]:
+    """(peak bytes this process has allocated on the model's GPU during one forward of `probe_tokens`
+    tokens, the GPU's total bytes): the profiling forward vLLM runs before sizing its KV cache."""
+    device = next(model.parameters()).device
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.no_grad():
+        model(input_ids=torch.zeros((1, probe_tokens), dtype=torch.long, device=device), use_cache=False)
+    torch.cuda.synchronize(device)
+    _, total = torch.cuda.mem_get_info(device)
+    return torch.cuda.max_memory_allocated(device), total

@@ -1,0 +1,282 @@
+"""Attention backends: how one packed forward's queries read their keys and values from the paged pool.
+
+Both take the same inputs (the packed rows: each row's fed tokens, its start position and its block table)
+and give the same outputs; they differ in what they move:
+
+  gather  copies each group's keys and values out of the pool (`pool[kv_slots]`) and calls SDPA on the
+          copy: short rows (decoding, verifying) together, padded, grouped by context length; each long
+          row (a prefill chunk) alone. Fastest on a CPU, where SDPA is a tuned kernel and the copy is a
+          memcpy; on a GPU the copy is what costs (batch 64 x 8k context on an 8B shape: ~2 GB per layer).
+  flex    torch's flex_attention over the whole pool in place: a block mask says which pool blocks each
+          tile of 16 queries reads (its row's table), so a compiled kernel touches only those, and no
+          key or value is copied. Each row's queries are padded to whole tiles (a tile never mixes rows).
+          Compiled on CUDA; eager elsewhere (the eager path computes the dense mask: tests only).
+
+`choose(name, device)` picks one at startup: `auto` is gather on a CPU and flex on CUDA when flex
+passes a probe against gather there (else gather, logged). Measured on a 2-core CPU (`specserve bench
+attention`): results/bench-attention-cpu-2core.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("gather", "flex")
+"""Attention backends by name (`EngineConfig.attention_backend` also takes `auto`)."""
+
+TRASH = 0
+"""Block 0 is never handed out: padded reads in a batched attention call point there (masked)."""
+
+SHORT_CONTEXT = 256
+"""gather: short rows whose contexts are all under twice this many tokens share one call whatever their spread."""
+
+SHORT_ROW = 16
+"""gather: rows feeding at most this many tokens (or twice the fewest any row feeds) share one attention
+call; longer ones (prefill chunks) get their own."""
+
+TILE = 16
+"""flex: queries per tile (a tile's queries all belong to one row, so it reads exactly that row's blocks)."""
+
+
+@dataclass
+class Row:
+    """One packed row: its fed tokens are [offset, offset + n) of the forward, at positions [start, start + n)."""
+
+    offset: int
+    n: int
+    start: int
+    table: list[int]  # its pool blocks in position order
+
+
+# ---- gather ---------------------------------------------------------------------------------------
+@dataclass
+class Group:
+    """Rows attended together: queries q_index [B, T] into the packed tokens (pads repeat a real one),
+    keys kv_slots [B, L] into the pool (pads: the trash block), mask [B, 1, T, L] (a query sees keys
+    at positions <= its own); None: one row whose keys are exactly its queries, plain causal."""
+
+    q_index: torch.Tensor
+    q_valid: torch.Tensor
+    kv_slots: torch.Tensor
+    mask: torch.Tensor | None
+
+    def to(self, device) -> "Group":
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return Group(move(self.q_index), move(self.q_valid), move(self.kv_slots), move(self.mask))
+
+
+def gather_layout(rows: list[Row], pos: torch.Tensor, block_size: int) -> list[Group]:  # pos [T]
+    # Rows feeding about as few tokens as the shortest (decoding, verifying) share padded attention calls,
+    # grouped by context length (within 2x of each other) so short contexts do not pad to a long one's;
+    # a row feeding many more (a prefill chunk) gets its own call, so nobody pads to its width.
+    width = max(SHORT_ROW, 2 * min(r.n for r in rows))
+    groups, group = [], []
+    for r in sorted((r for r in rows if r.n <= width), key=lambda r: r.start + r.n):
+        if group and r.start + r.n > 2 * max(SHORT_CONTEXT, group[0].start + group[0].n):
+            groups.append(_group(group, pos, block_size))
+            group = []
+        group.append(r)
+    if group:
+        groups.append(_group(group, pos, block_size))
+    return groups + [_group([r], pos, block_size) for r in rows if r.n > width]
+
+
+def _group(rows: list[Row], pos: torch.Tensor, bs: int) -> Group:
+    width = max(r.n for r in rows)
+    length = max(r.start + r.n for r in rows)
+    col = torch.arange(width)
+    q_index = torch.stack([r.offset + torch.clamp(col - (width - r.n), min=0) for r in rows])  # [B, T]
+    q_valid = torch.stack([col >= width - r.n for r in rows])
+    nblk = -(-length // bs)
+    tables = torch.full((len(rows), nblk), TRASH, dtype=torch.long)
+    for b, r in enumerate(rows):
+        t = r.table[:nblk]
+        tables[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+    kv_slots = (tables[:, :, None] * bs + torch.arange(bs)).reshape(len(rows), -1)[:, :length]  # [B, L]
+    if len(rows) == 1 and rows[0].start == 0:  # a prompt's first chunk: keys = its queries, plain causal
+        return Group(q_index, q_valid, kv_slots, None)
+    qpos = pos[q_index]  # [B, T]
+    mask = torch.arange(length)[None, None, :] <= qpos[:, :, None]
+    return Group(q_index, q_valid, kv_slots, mask[:, None])
+
+
+def gather_attend(q, k_pool, v_pool, groups: list[Group], scaling) -> torch.Tensor:
+    # q [T, H, D]; k_pool, v_pool [slots, kv_heads, D] -> [T, H, D]
+    out = torch.empty_like(q)
+    gqa = q.shape[1] != k_pool.shape[1]
+    for g in groups:
+        qg = q[g.q_index].transpose(1, 2)  # [B, H, T, D]
+        kg = k_pool[g.kv_slots].transpose(1, 2)  # [B, kv_heads, L, D]: the copy this backend makes
+        vg = v_pool[g.kv_slots].transpose(1, 2)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qg, kg, vg, attn_mask=g.mask, is_causal=g.mask is None, scale=scaling, enable_gqa=gqa)
+        out[g.q_index[g.q_valid]] = o.transpose(1, 2)[g.q_valid]
+    return out
+
+
+# ---- flex -----------------------------------------------------------------------------------------
+@dataclass
+class FlexLayout:
+    """Where the packed queries sit in whole tiles and which pool blocks each tile reads."""
+
+    pad_index: torch.Tensor  # [Tpad] packed token each padded query repeats (pads repeat their row's last)
+    real: torch.Tensor  # [T] where each packed token sits among the padded queries
+    q_pos: torch.Tensor  # [Tpad] position of each padded query
+    q_row: torch.Tensor  # [Tpad] row of each padded query
+    tables: torch.Tensor  # [rows, max blocks] each row's blocks (TRASH past its end)
+    block_pos: torch.Tensor  # [pool blocks] a held block's index in its tables (one per block: a shared
+    #                          prefix block sits at the same index in every table holding it)
+    kv_num_blocks: torch.Tensor  # [1, 1, tiles] int32 blocks each tile reads
+    kv_indices: torch.Tensor  # [1, 1, tiles, pool blocks] int32 those blocks first
+    block_size: int
+    pool_blocks: int
+
+    def to(self, device) -> "FlexLayout":
+        t = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()}
+        return FlexLayout(**t)
+
+
+def flex_layout(rows: list[Row], pos: torch.Tensor, block_size: int, pool_blocks: int) -> FlexLayout:
+    bs = block_size
+    pad_index, q_pos, q_row, tile_blocks = [], [], [], []
+    for i, r in enumerate(rows):
+        tiles = -(-r.n // TILE)
+        cols = torch.arange(tiles * TILE)
+        pad_index.append(r.offset + torch.clamp(cols, max=r.n - 1))
+        q_pos.append(r.start + torch.clamp(cols, max=r.n - 1))
+        q_row.append(torch.full((tiles * TILE,), i))
+        for t in range(tiles):  # a tile reads its row's blocks up to its last query's position
+            tile_blocks.append(r.table[: (r.start + min(r.n, (t + 1) * TILE) - 1) // bs + 1])
+    sizes = torch.tensor([len(p) for p in pad_index])
+    starts = torch.cumsum(sizes, 0) - sizes
+    real_t = torch.cat([s + torch.arange(r.n) for s, r in zip(starts.tolist(), rows)])
+    width = max(len(r.table) for r in rows)
+    tables = torch.full((len(rows), width), TRASH, dtype=torch.long)
+    block_pos = torch.zeros(pool_blocks, dtype=torch.long)
+    for i, r in enumerate(rows):
+        t = torch.tensor(r.table, dtype=torch.long)
+        tables[i, : len(t)] = t
+        block_pos[t] = torch.arange(len(t))
+    kv_num = torch.tensor([len(b) for b in tile_blocks], dtype=torch.int32)
+    kv_idx = torch.zeros(len(tile_blocks), pool_blocks, dtype=torch.int32)
+    for t, b in enumerate(tile_blocks):
+        kv_idx[t, : len(b)] = torch.tensor(b, dtype=torch.int32)
+    return FlexLayout(torch.cat(pad_index), real_t, torch.cat(q_pos), torch.cat(q_row), tables, block_pos,
+                      kv_num[None, None], kv_idx[None, None], bs, pool_blocks)
+
+
+COMPILE_FLEX: bool | None = None
+"""Compile flex_attention: None = on CUDA only (`bench attention` sets True to time it compiled on a CPU)."""
+
+_compiled: dict = {}
+
+
+def _flex_fn(device: torch.device):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not (device.type == "cuda" if COMPILE_FLEX is None else COMPILE_FLEX):
+        # eager: correct but dense over the pool (tests); compiled flex on a CPU is slower than gather
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention
+    if device.type not in _compiled:  # dynamic on CUDA: the number of queries changes every step
+        _compiled[device.type] = torch.compile(flex_attention, dynamic=device.type == "cuda")
+    return _compiled[device.type]
+
+
+def flex_attend(q, k_pool, v_pool, lay: FlexLayout, scaling) -> torch.Tensor:
+    # q [T, H, D]; k_pool, v_pool [slots, kv_heads, D] -> [T, H, D]
+    from torch.nn.attention.flex_attention import BlockMask
+
+    bs, tables, block_pos, q_pos, q_row = lay.block_size, lay.tables, lay.block_pos, lay.q_pos, lay.q_row
+    last = tables.shape[1] - 1
+
+    def mask_mod(b, h, qi, ki):  # a key is seen by a query of the row holding its block, at or before it
+        blk = ki // bs
+        j = block_pos[blk]
+        return (tables[q_row[qi], torch.clamp(j, max=last)] == blk) & (j <= last) & (j * bs + ki % bs <= q_pos[qi])
+
+    slots = k_pool.shape[0]
+    mask = BlockMask.from_kv_blocks(lay.kv_num_blocks, lay.kv_indices, BLOCK_SIZE=(TILE, bs), mask_mod=mask_mod,
+                                    seq_lengths=(lay.pad_index.shape[0], slots))
+    qp = q[lay.pad_index].transpose(0, 1)[None]  # [1, H, Tpad, D]
+    o = _flex_fn(q.device)(qp, k_pool.transpose(0, 1)[None], v_pool.transpose(0, 1)[None], block_mask=mask,
+                           scale=scaling, enable_gqa=q.shape[1] != k_pool.shape[1])
+    return o[0].transpose(0, 1)[lay.real]  # [T, H, D]
+
+
+# ---- choosing -------------------------------------------------------------------------------------
+def layout(backend: str, rows: list[Row], pos: torch.Tensor, block_size: int, pool_blocks: int):
+    """What `attend` needs for this forward, built on the host (moved to the device with the batch)."""
+    if backend == "flex":
+        return flex_layout(rows, pos, block_size, pool_blocks)
+    return gather_layout(rows, pos, block_size)
+
+
+def attend(backend: str, q, k_pool, v_pool, lay, scaling) -> torch.Tensor:
+    # q [T, H, D]; k_pool, v_pool [slots, kv_heads, D] -> [T, H, D]
+    if backend == "flex":
+        return flex_attend(q, k_pool, v_pool, lay, scaling)
+    return gather_attend(q, k_pool, v_pool, lay, scaling)
+
+
+def choose(name: str, device) -> str:
+    """The backend a worker on `device` runs: `name`, or for `auto` gather on a CPU and flex on CUDA if it
+    passes `probe` there (compiles, and matches gather)."""
+    if name != "auto":
+        if name not in BACKENDS:
+            raise ValueError(f"attention backend must be auto or one of {BACKENDS}, got {name!r}")
+        return name
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "gather"
+    try:
+        err = probe("flex", device)
+    except Exception as e:  # flex missing or failing to compile here: gather works everywhere
+        log.warning("attention: flex_attention failed its probe on %s (%s); using gather", device, e)
+        return "gather"
+    if err > 2e-2:
+        log.warning("attention: flex_attention differs from gather by %.3g on %s; using gather", err, device)
+        return "gather"
+    return "flex"
+
+
+def probe(backend: str, device, dtype=torch.float32, seed: int = 0) -> float:
+    """Largest difference between `backend` and gather on a small random batch (GQA, a prefill chunk,
+    ragged decoding rows over shuffled blocks) on `device`."""
+    q, kp, vp, rows, pos, bs, nblk = random_batch([(0, 40), (35, 3), (70, 1), (18, 5)], seed=seed)
+    args = [t.to(device, dtype) for t in (q, kp, vp)]
+    want = attend("gather", *args, layout("gather", rows, pos, bs, nblk), None)
+    lay = layout(backend, rows, pos, bs, nblk)
+    got = attend(backend, *args, lay.to(device) if backend == "flex" else [g.to(device) for g in lay], None)
+    return (got.float() - want.float()).abs().max().item()
+
+
+def random_batch(rows_spec: list[tuple[int, int]], heads: int = 8, kv_heads: int = 2, head_dim: int = 32,
+                 block_size: int = 16, seed: int = 0, shared_prefix_blocks: int = 0):
+    """A random pool and packed batch: rows_spec = (start, fed tokens) per row; blocks shuffled over the pool;
+    the first `shared_prefix_blocks` blocks of every row are the same blocks (a prefix-cache hit).
+    Returns q [T, H, D], k_pool, v_pool [slots, kv_heads, D], rows, positions [T], block size, pool blocks."""
+    g = torch.Generator().manual_seed(seed)
+    bs = block_size
+    need = [-(-(s + n) // bs) for s, n in rows_spec]
+    nblk = 1 + sum(need) + 3  # the trash block, every row's own, a few free
+    perm = (torch.randperm(nblk - 1, generator=g) + 1).tolist()
+    shared = perm[:shared_prefix_blocks]
+    rows, pos, offset, taken = [], [], 0, shared_prefix_blocks
+    for s, n in rows_spec:
+        own = need[rows_spec.index((s, n))] - len(shared)
+        table = shared + perm[taken: taken + max(own, 0)]
+        taken += max(own, 0)
+        rows.append(Row(offset, n, s, table))
+        pos.append(torch.arange(s, s + n))
+        offset += n
+    q = torch.randn(offset, heads, head_dim, generator=g)
+    kp = torch.randn(nblk * bs, kv_heads, head_dim, generator=g)
+    vp = torch.randn(nblk * bs, kv_heads, head_dim, generator=g)
+    return q, kp, vp, rows, torch.cat(pos), bs, nblk

@@ -1,0 +1,109 @@
+"""Attention backends (engine/attention.py) give the same outputs; the KV pool is sized from device memory."""
+
+import pytest
+import torch
+
+from serve_app.config import EngineConfig, SamplingParams
+from serve_app.engine import attention
+from serve_app.engine.kv import kv_bytes_per_token, kv_pool_tokens
+from tests.conftest import make_tokenizer
+
+CASES = {  # rows as (start position, tokens fed)
+    "decode": [(30, 1), (7, 1), (64, 1)],
+    "verify-ragged": [(30, 5), (3, 2), (47, 4), (16, 1)],
+    "prefill-chunks": [(0, 37), (16, 20), (40, 3)],
+    "one-row": [(0, 1)],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("shared", [0, 1], ids=["own-blocks", "prefix-hit"])
+def test_flex_reads_the_pool_as_gather_copies_it(case, heads, kv_heads, shared):
+    """Random pools with shuffled blocks: flex_attention over the pool in place equals the gather path
+    (GQA and not, ragged rows, chunked prefill, a prefix block shared by every row)."""
+    spec = CASES[case]
+    if shared and min(s for s, _ in spec) < 16:
+        spec = [(s + 16, n) for s, n in spec]  # every row's context covers the shared block
+    q, kp, vp, rows, pos, bs, nblk = attention.random_batch(spec, heads, kv_heads, seed=len(spec) + shared,
+                                                            shared_prefix_blocks=shared)
+    want = attention.attend("gather", q, kp, vp, attention.layout("gather", rows, pos, bs, nblk), None)
+    got = attention.attend("flex", q, kp, vp, attention.layout("flex", rows, pos, bs, nblk), None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_rolled_back_positions_are_not_read():
+    """After a rollback a row's table still ends in a block holding stale keys past its kv_len: neither
+    backend reads them (a query sees only positions up to its own)."""
+    q, kp, vp, rows, pos, bs, nblk = attention.random_batch([(20, 2), (5, 1)], seed=3)
+    base = [attention.attend(b, q, kp, vp, attention.layout(b, rows, pos, bs, nblk), None) for b in attention.BACKENDS]
+    stale = rows[0].table[1] * bs + 6  # position 22 of row 0: past its last query (21)
+    kp[stale] += 100.0
+    vp[stale] -= 100.0
+    for b, before in zip(attention.BACKENDS, base):
+        torch.testing.assert_close(attention.attend(b, q, kp, vp, attention.layout(b, rows, pos, bs, nblk), None), before)
+
+
+def test_auto_is_gather_on_a_cpu_and_unknown_names_are_refused():
+    assert attention.choose("auto", "cpu") == "gather"
+    assert attention.choose("flex", "cpu") == "flex"
+    with pytest.raises(ValueError, match="attention backend"):
+        attention.choose("paged", "cpu")
+    assert attention.probe("flex", "cpu") < 1e-5
+
+
+def test_engine_output_is_the_same_with_either_backend(tiny_target, tiny_drafts):
+    """Greedy speculative decoding (acceptance, rollback, chunked prefill, a prefix-cache hit) gives the
+    same tokens with flex as with gather (float64 models)."""
+    from serve_app.engine.policy import FixedK
+    from serve_app.engine.scheduler import Engine
+    from serve_app.engine.worker import ModelWorker
+
+    prompts = [list(range(3, 40)), list(range(3, 40)) + [5, 6], [7, 8, 9]]  # the 2nd starts on the 1st's blocks
+    outs = {}
+    for backend in attention.BACKENDS:
+        cfg = EngineConfig(policy="fixed:3", max_batch_size=4, max_k=3, block_size=4, max_num_batched_tokens=24,
+                           attention_backend=backend)
+        engine = Engine(ModelWorker(tiny_target, "target"), ModelWorker(tiny_drafts["near"], "draft"), make_tokenizer(), cfg, FixedK(3))
+        reqs = [engine.submit(prompts[0], SamplingParams(max_tokens=12, ignore_eos=True))]
+        engine.run(reqs)  # then the 2nd starts on its committed blocks
+        reqs += [engine.submit(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts[1:]]
+        engine.run(reqs[1:])
+        assert engine.kv_pool["attention"] == backend
+        outs[backend] = [r.output_ids for r in reqs]
+        assert sum(r.stats.cached_tokens for r in reqs) > 0 and sum(r.stats.proposed for r in reqs) > 0
+    assert outs["flex"] == outs["gather"]
+
+
+def test_pool_is_sized_from_device_memory(tiny_target):
+    """With the memory reading injected: the pool takes gpu_memory_utilization of the device less what the
+    weights and a forward used, capped by max_num_tokens; a role on half a GPU sizes from its half."""
+    from serve_app.engine.policy import FixedK
+    from serve_app.engine.scheduler import Engine
+    from serve_app.engine.worker import ModelWorker
+
+    c = tiny_target.config
+    per_token = kv_bytes_per_token(c, torch.float64)  # the tiny models are float64
+    assert per_token == 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 8
+    assert kv_pool_tokens(100_000, 20_000, 0.9, 1.0, 10) == 7_000
+    assert kv_pool_tokens(100_000, 20_000, 0.9, 0.5, 10) == 2_500
+    with pytest.raises(ValueError, match="no room for a KV pool"):
+        kv_pool_tokens(100_000, 60_000, 0.9, 0.5, 10)
+
+    seen = []
+
+    def memory(model, probe_tokens):
+        seen.append(probe_tokens)
+        return 1_000_000, 1_000_000 + 300 * per_token  # 300 tokens' room at utilization 1
+
+    w = ModelWorker(tiny_target, "target")
+    assert w.kv_room(1.0, 64) is None  # a CPU: no device memory to size from
+    w.kv_room = lambda u, t, share=1.0, memory=memory: ModelWorker.kv_room(w, u, t, share, memory)
+    cfg = EngineConfig(max_batch_size=2, max_num_batched_tokens=64, max_num_tokens=4096, gpu_memory_utilization=1.0,
+                       block_size=16, max_model_len=256)
+    engine = Engine(w, None, make_tokenizer(), cfg, FixedK(0))
+    assert seen == [64] and engine.kv_capacity == 288 and engine.kv_pool["from"] == "device memory"
+    assert w.cache.num_blocks == 288 // 16 + 1  # allocated at once, not grown
+    req = engine.submit(list(range(3, 20)), SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.run([req])
+    assert len(req.output_ids) == 8
