@@ -12,6 +12,7 @@ _SERIES = [
     ("specserve_acceptance_estimate", "gauge", "Live per-token draft acceptance estimate.", ("gauges", "acceptance_estimate")),
     ("vllm:num_requests_running", "gauge", "Requests admitted: decoding or prefilling.", ("gauges", "running")),
     ("vllm:kv_cache_usage_perc", "gauge", "KV pool share counted for admitted requests (0-1; shared prefix blocks counted per holder).", ("gauges", "kv_usage")),
+    ("specserve_kv_pool_tokens", "gauge", "KV tokens each worker's pool holds: max_num_tokens, or on a GPU what gpu_memory_utilization leaves.", ("gauges", "kv_pool_tokens")),
     ("vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache (whole blocks).", ("counters", "prefix_queries")),
     ("vllm:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.", ("counters", "prefix_hits")),
     ("vllm:num_preemptions_total", "counter", "Requests sent back to the queue because the KV pool ran short.", ("counters", "preemptions")),

@@ -112,10 +112,19 @@ class Router:
         return resources
 
     def _placement_group(self):
+        """One bundle per role, each with that role's GPUs (target_gpus / draft_gpus), placed together by the
+        group's strategy; refused with the bundles and the cluster's resources named when Ray cannot place it
+        in worker_start_timeout_s (a GPU count no node has), rather than pending forever."""
         g = self.group
-        bundle = {"CPU": g.worker_cpus, **({"GPU": g.num_gpus} if g.num_gpus else {}), **self._resources()}
+        bundles = [g.bundle(role, self._resources()) for role in self.roles]
         self._names: dict[int, str] = {}
-        return placement_group([bundle] * len(self.roles), strategy=g.placement_strategy)
+        pg = placement_group(bundles, strategy=g.placement_strategy)
+        if not pg.wait(g.worker_start_timeout_s):
+            remove_placement_group(pg)
+            raise RuntimeError(f"group {g.name}: Ray could not place its workers {dict(zip(self.roles, bundles))} "
+                               f"({g.placement_strategy}) in {g.worker_start_timeout_s:g} s; the cluster has "
+                               f"{ray.cluster_resources()}: give the roles fewer GPUs or add a node that has them")
+        return pg
 
     def _start_worker(self, i: int):
         """Start worker actor i (0 target, 1 draft) in its bundle of this replica's placement group;
@@ -128,7 +137,7 @@ class Router:
         # max_concurrency: `ping` answers while a long `call` runs (the engine makes one call at a
         # time), so a busy worker is never taken for a dead one and replaced.
         return cls.options(
-            name=self._names[i], max_concurrency=4, num_cpus=g.worker_cpus, num_gpus=g.num_gpus, resources=self._resources() or None,
+            name=self._names[i], max_concurrency=4, num_cpus=g.worker_cpus, num_gpus=g.gpus(role), resources=self._resources() or None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
         ).remote(self.model_config.model_dump(), g.torch_threads)
 
@@ -535,7 +544,8 @@ class Router:
                              "accepted_per_position": [t["accepted_per_position"][i] for i in range(len(t["accepted_per_position"]))]},
                 "gauges": {**self.last_step, "running": len(self.engine.running) + len(self.engine.prefilling),
                            "waiting": len(self.engine.waiting), "acceptance_estimate": self.acceptance_estimate(),
-                           "kv_usage": self.engine.reserved / self.engine.kv_capacity},
+                           "kv_usage": self.engine.reserved / self.engine.kv_capacity,
+                           "kv_pool_tokens": self.engine.kv_capacity},
                 "calibration": self.calibration()}
 
     async def max_model_len(self) -> int:
@@ -556,7 +566,7 @@ class Router:
             "waiting": len(self.engine.waiting), "reserved": self.engine.reserved,
             "actors": self.actor_names, "recoveries": self.recoveries, "resumed": self.resumed, "repairing": self.engine.repairing,
             "speculating": self.engine.speculating, "calibration": self.calibration(), "regret": self.regret(),
-            "startup_profile": self.startup,
+            "startup_profile": self.startup, "kv_pool": self.engine.kv_pool,
         }
 
     def __del__(self):

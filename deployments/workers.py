@@ -65,6 +65,14 @@ class _ModelHost:
         n = len(seq_ids)  # decoding rows, then prefill chunks: the draft takes them in two calls
         return verdict._replace(features=(ray.put(verdict.features[:n]), ray.put(verdict.features[n:])))
 
+    def kv_room(self, utilization, probe_tokens, share=None):
+        """The worker's KV room on its GPU; share None: the GPU count Ray gave this actor (a fraction when
+        the draft and target share one GPU), so each role sizes its pool from its own part."""
+        if share is None:
+            gpus = ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0)
+            share = min(1.0, gpus) if gpus else 1.0
+        return self.worker.kv_room(utilization, probe_tokens, share)
+
     def take_timings(self) -> dict:
         out = self.worker.take_timings()
         out["direct_bytes"] += self.direct_bytes
@@ -113,8 +121,12 @@ class RemoteWorker:
             self.bytes_received += serialized_size(out)
         return out
 
-    def configure_kv(self, block_size, max_blocks, prefix_caching):
-        return self._call("configure_kv", block_size, max_blocks, prefix_caching)
+    def configure_kv(self, block_size, max_blocks, prefix_caching, attention_backend="auto", preallocate=False):
+        return self._call("configure_kv", block_size, max_blocks, prefix_caching, attention_backend, preallocate)
+
+    def kv_room(self, utilization, probe_tokens, share=None, memory=None):
+        # share None: the actor's own GPU count (below 1 when it shares its GPU with the other role)
+        return self._get(self.actor.kv_room.remote(utilization, probe_tokens, share), ())
 
     def add(self, seq_ids, prompts, params):
         return self._call("add", seq_ids, prompts, params)

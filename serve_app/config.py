@@ -67,6 +67,17 @@ class EngineConfig(BaseModel):
     block_size: int = Field(16, ge=1, le=1024)
     """Tokens per KV block: the unit of KV allocation and of prefix caching."""
 
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """On a GPU, the share of its memory a worker may use for its weights, one forward's activations and its
+    KV pool (vLLM's name and meaning): the pool takes what is left after the weights and a profiling forward
+    of max_num_batched_tokens tokens, capped at max_num_tokens, allocated once. A worker holding part of a
+    GPU (draft and target sharing one) sizes from its part. Ignored on a CPU, where the pool grows on demand."""
+
+    attention_backend: str = Field("auto", pattern="^(auto|gather|flex)$")
+    """How attention reads the paged KV pool (`engine/attention.py`): `gather` copies each group's keys out
+    for SDPA (fastest on a CPU), `flex` runs torch's flex_attention on the pool in place (compiled on CUDA);
+    `auto`: gather on a CPU, flex on CUDA when it passes a startup probe against gather, else gather."""
+
     max_num_batched_tokens: int = Field(128, ge=1)
     """Per-step token budget, the balance between waiting and served requests: the target's forward feeds
     (k + 1) tokens per decoding sequence (k is lowered to fit) and gives what is left to chunks of

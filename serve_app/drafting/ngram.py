@@ -84,8 +84,14 @@ class NgramWorker:
             self.order.append(sid)
         return [0] * len(seq_ids)
 
-    def configure_kv(self, block_size: int = 16, max_blocks: int = 4096, prefix_caching: bool = True) -> None:
+    def configure_kv(self, block_size: int = 16, max_blocks: int = 4096, prefix_caching: bool = True,
+                     attention_backend: str = "auto", preallocate: bool = False) -> str:
         """No KV to configure: the n-gram draft holds token indexes only."""
+        return "none"
+
+    def kv_room(self, utilization: float, probe_tokens: int, share: float = 1.0, memory=None) -> None:
+        """No KV: no limit from this worker."""
+        return None
 
     def remove(self, seq_ids: list[str]) -> None:
         """Drop finished sequences."""

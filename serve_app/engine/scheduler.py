@@ -134,16 +134,28 @@ class Engine:
         self._setup_kv()
 
     def _setup_kv(self) -> None:
-        """Size both workers' KV pools from the budget (after a reset: a new pool, cache rebuilt)."""
+        """Size both workers' KV pools (after a reset: a new pool, cache rebuilt): max_num_tokens, or on a GPU
+        what gpu_memory_utilization leaves after the weights and a profiling forward, the smaller of the
+        two workers' rooms (admission counts one budget for both)."""
         c = self.config
-        for w in (self.target, self.draft):
-            if w is not None:
-                w.configure_kv(c.block_size, c.max_num_tokens // c.block_size + 1, c.prefix_caching)
+        workers = [w for w in (self.target, self.draft) if w is not None]
+        if not hasattr(self, "kv_pool"):  # measured once: a repair's replacement worker is the same model
+            rooms = [w.kv_room(c.gpu_memory_utilization, c.max_num_batched_tokens) for w in workers]
+            rooms = [r for r in rooms if r is not None]
+            tokens = min([c.max_num_tokens, *rooms]) // c.block_size * c.block_size
+            self.kv_pool = {"tokens": tokens, "from": "device memory" if rooms and min(rooms) < c.max_num_tokens
+                            else "max_num_tokens", "rooms": rooms, "attention": None}
+            log.info("KV pool: %d tokens per worker (from %s)", tokens, self.kv_pool["from"])
+        for w in workers:
+            chosen = w.configure_kv(c.block_size, self.kv_pool["tokens"] // c.block_size + 1, c.prefix_caching,
+                                    c.attention_backend, bool(self.kv_pool["rooms"]))
+            if w is self.target:
+                self.kv_pool["attention"] = chosen
 
     @property
     def kv_capacity(self) -> int:
-        """KV tokens admission may hand out (whole blocks of `max_num_tokens`)."""
-        return self.config.max_num_tokens // self.config.block_size * self.config.block_size
+        """KV tokens admission may hand out (whole blocks of the pool: `kv_pool`)."""
+        return self.kv_pool["tokens"]
 
     def kv_tokens(self, req: Request) -> int:
         """KV tokens a request may hold by the end of the next step: its context and one speculation
@@ -199,7 +211,7 @@ class Engine:
         if reserve > self.kv_capacity:
             raise ValueError(
                 f"request needs {reserve} KV tokens (prompt {n} + max_tokens {params.max_tokens} + "
-                f"speculation window) but the KV budget is {self.config.max_num_tokens}"
+                f"speculation window) but the KV budget is {self.kv_capacity}"
             )
         rid = f"{request_id or 'req'}-{next(self._ids)}"  # unique even if callers reuse ids
         req = Request(rid, list(prompt_ids), params, TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output,

@@ -32,7 +32,8 @@ from serve_app.profiling.profiles import detect_gpu_type
 from serve_app.engine.controls import Controls, has_controls
 from serve_app.engine.draftplan import DraftPlan, PlanWalk
 from serve_app.engine.grammar import Guide
-from serve_app.engine.kv import ATTENTION, PagedKV, pack
+from serve_app.engine import attention
+from serve_app.engine.kv import ATTENTION, PagedKV, cuda_memory, kv_bytes_per_token, kv_pool_tokens, pack
 from serve_app.engine.lookup import LOOKUP_MIN_N, CopyRecord, NgramIndex
 from serve_app.engine.sampling import TOP_N, Warp, draft_choice, logprob_top, noise_key, verify_walk
 
@@ -149,12 +150,31 @@ class ModelWorker:
         return out
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def configure_kv(self, block_size: int = 16, max_blocks: int = 4096, prefix_caching: bool = True) -> None:
-        """Set the KV pool's block size, its limit in blocks and prefix caching (before any sequence)."""
+    def configure_kv(self, block_size: int = 16, max_blocks: int = 4096, prefix_caching: bool = True,
+                     attention_backend: str = "auto", preallocate: bool = False) -> str:
+        """Set the KV pool's block size, its limit in blocks, prefix caching and attention backend (before any
+        sequence); preallocate: take all its blocks now (a pool sized from device memory). Returns the
+        attention backend chosen (`auto` resolved for this device)."""
         if self.seqs:
             raise RuntimeError(f"{self.role}: configure the KV cache before adding sequences")
-        self.cache = PagedKV(block_size, max_blocks, prefix_caching and self.shares_prefixes())
+        backend = attention.choose(attention_backend, self.device)
+        self.cache = PagedKV(block_size, max_blocks, prefix_caching and self.shares_prefixes(), backend, preallocate)
         self.kept = None
+        return backend
+
+    def kv_room(self, utilization: float, probe_tokens: int, share: float = 1.0, memory=None) -> int | None:
+        """KV tokens this worker's pool may hold on its device: `utilization` x `share` of the device's memory,
+        less the weights and the activations of one forward of `probe_tokens` tokens (measured now: the
+        step's largest). None on a CPU (memory is shared there: the pool grows up to max_num_tokens).
+        share: this worker's part of its GPU (0.5 when draft and target share one). memory: a function
+        (model, probe_tokens) -> (peak bytes used, device total bytes), injected by tests; default: torch's
+        CUDA counters around a forward."""
+        if memory is None:
+            if self.device.type != "cuda":
+                return None
+            memory = cuda_memory
+        used, total = memory(self.model, probe_tokens)
+        return kv_pool_tokens(total, used, utilization, share, kv_bytes_per_token(self.model.config, next(self.model.parameters()).dtype))
 
     def shares_prefixes(self) -> bool:
         """Whether this worker may take cached blocks for a new prompt. A target that hands its features to
@@ -351,15 +371,15 @@ class ModelWorker:
         keys, u = [], []
         for s, n in zip(seqs, lens):
             if _coupled(s):
-                keys.append([noise_key(s.params.seed, n + j) for j in range(k + 1)])
+                keys.append(torch.tensor([noise_key(s.params.seed, n + j) for j in range(k + 1)], dtype=torch.int64))
             elif _sampled(s):
-                keys.append(torch.randint(0, 2**31 - 1, (k + 1,), generator=s.generator).tolist())
+                keys.append(torch.randint(0, 2**31 - 1, (k + 1,), generator=s.generator))
                 u.append(torch.rand(k, generator=s.generator))
                 continue
             else:
-                keys.append([-1] * (k + 1))
+                keys.append(torch.full((k + 1,), -1, dtype=torch.int64))
             u.append(torch.zeros(k))
-        keys = torch.tensor(keys, dtype=torch.int32, device=dev).reshape(bsz, k + 1)
+        keys = torch.stack(keys).to(dev, torch.int32).reshape(bsz, k + 1)
         u = torch.stack(u).to(dev) if k else torch.zeros((bsz, 0), device=dev)
         q_values = q_ids = None
         if proposal.probs is not None:
@@ -536,7 +556,7 @@ class ModelWorker:
 
     def _drawer_plain(self, seqs: list[Sequence], greedy: torch.Tensor, conf: bool = False):
         dev = self.device
-        if bool(greedy.all()):
+        if all(s.params.greedy for s in seqs):  # known on the host: no read of `greedy` back
             def draw_greedy(logits, positions, small=None, rows=None):
                 top = logits.max(dim=-1)
                 c = (confidence(small) if small is not None else confidence(logits, top.values)) if conf else None
