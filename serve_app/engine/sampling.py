@@ -176,19 +176,26 @@ class Warp:
     top_k: torch.Tensor  # [N] long, 0 = off
     top_p: torch.Tensor  # [N] float32, 1.0 = off
     min_p: torch.Tensor | None = None  # [N] float32, 0 = off; None: off for every row
+    host: tuple[list[bool], list[bool]] | None = None  # per row (scaled, cut) on the host, so warping decides
+    #                                                    which rows to touch without reading the device
 
     @classmethod
     def of(cls, params: list, device) -> "Warp":
         """From SamplingParams (greedy rows get temperature 1: they are never warped)."""
         min_p = [getattr(p, "min_p", 0.0) for p in params]
-        return cls(torch.tensor([p.temperature or 1.0 for p in params], dtype=torch.float32, device=device),
+        temps = [p.temperature or 1.0 for p in params]
+        return cls(torch.tensor(temps, dtype=torch.float32, device=device),
                    torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
                    torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-                   torch.tensor(min_p, dtype=torch.float32, device=device) if any(min_p) else None)
+                   torch.tensor(min_p, dtype=torch.float32, device=device) if any(min_p) else None,
+                   ([t != 1.0 for t in temps], [p.top_k > 0 or p.top_p < 1.0 for p in params]))
 
-    def rows(self, index: torch.Tensor) -> "Warp":
+    def rows(self, index: torch.Tensor, host_index: list[int] | None = None) -> "Warp":
+        """The settings of rows `index` (host_index: the same rows as a host list, which keeps `host`)."""
+        host = None if self.host is None or host_index is None else \
+            tuple([flags[i] for i in host_index] for flags in self.host)
         return Warp(self.temperature[index], self.top_k[index], self.top_p[index],
-                    None if self.min_p is None else self.min_p[index])
+                    None if self.min_p is None else self.min_p[index], host)
 
 
 def warp_(logits: torch.Tensor, w: Warp) -> torch.Tensor:  # [N, V] float32, changed in place
@@ -196,15 +203,19 @@ def warp_(logits: torch.Tensor, w: Warp) -> torch.Tensor:  # [N, V] float32, cha
     the mass strictly before it is below top_p; the first always stays), on a float32 tensor the caller
     owns. Dropped tokens get -inf, so softmax of the result is the distribution a request samples
     from. A token tied with the last kept one is kept too (the cut is a threshold on the logit)."""
-    if bool((w.temperature != 1.0).any()):
+    if w.host is not None:  # decided on the host
+        scaled, cut_rows = any(w.host[0]), [i for i, c in enumerate(w.host[1]) if c]
+    else:
+        scaled = bool((w.temperature != 1.0).any())
+        cut_rows = ((w.top_k > 0) | (w.top_p < 1.0)).nonzero().squeeze(1).tolist()
+    if scaled:
         logits /= w.temperature[:, None]
     if w.min_p is not None:
         _min_p_(logits, w.min_p)
-    cut = (w.top_k > 0) | (w.top_p < 1.0)
-    if bool(cut.all()):
+    if len(cut_rows) == logits.shape[0]:
         logits.copy_(_truncate(logits, w.top_k, w.top_p))
-    elif bool(cut.any()):
-        rows = cut.nonzero().squeeze(1)
+    elif cut_rows:
+        rows = torch.tensor(cut_rows).to(logits.device, non_blocking=True)
         logits[rows] = _truncate(logits[rows], w.top_k[rows], w.top_p[rows])
     return logits
 
@@ -258,17 +269,22 @@ def draft_choice(
     [B, N] (zero rows for greedy and seeded rows, which the target verifies by its own choice, not by
     q; None when every row is greedy). A seeded row makes the coupled choice over its whole warped
     row, as the target does, so a draft equal to the target is always accepted."""
-    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-    if bool(greedy.any()):
-        tokens[greedy] = logits[greedy].max(dim=-1).indices
-    if bool(greedy.all()):
-        return tokens, None, None
+    dev = logits.device
+    # the rows' kinds read to the host in one transfer, then partitioned there (one sync, not five)
+    kind = torch.stack([greedy.long(), (keys >= 0).long()]).tolist()
+    g = [i for i, x in enumerate(kind[0]) if x]
+    if len(g) == len(kind[0]):
+        return logits.max(dim=-1).indices, None, None
+    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=dev)
+    if g:
+        gi = torch.tensor(g).to(dev, non_blocking=True)
+        tokens[gi] = logits.index_select(0, gi).max(dim=-1).indices
     n = min(top_n, logits.shape[-1])
-    seeded = (keys >= 0) & ~greedy
-    if bool(seeded.any()):  # the coupled choice over the draft's whole warped row, as the target makes it
-        rows = seeded.nonzero().squeeze(1)
-        tokens[rows] = gumbel_argmax(warp_(_own_float(logits, rows), w.rows(rows)), keys[rows])
-    plain = (~greedy & ~seeded).nonzero().squeeze(1)
+    seeded = [i for i, (x, y) in enumerate(zip(*kind)) if y and not x]
+    if seeded:  # the coupled choice over the draft's whole warped row, as the target makes it
+        rows = torch.tensor(seeded).to(dev, non_blocking=True)
+        tokens[rows] = gumbel_argmax(warp_(_own_float(logits, rows), w.rows(rows, seeded)), keys[rows])
+    plain = torch.tensor([i for i, (x, y) in enumerate(zip(*kind)) if not x and not y], dtype=torch.long).to(dev, non_blocking=True)
     values = torch.zeros((logits.shape[0], n), dtype=torch.float32, device=logits.device)
     support = torch.zeros((logits.shape[0], n), dtype=torch.int32, device=logits.device)
     if not len(plain):
@@ -312,9 +328,14 @@ def verify_walk(
     dev = drafts.device
     if lengths is None:
         lengths = torch.full((bsz,), k, dtype=torch.long, device=dev)
+    # Which rows are greedy, seeded and how far they drafted is read to the host once; from then on the
+    # walk partitions rows there, so a position costs one device-to-host read (which rows accepted), plus
+    # one where sampled rows were rejection-tested (which were rejected), whatever the batch holds.
+    kind = torch.stack([greedy.long(), seeded.long(), lengths.long()]).tolist()
+    is_greedy, is_seeded, drafted_to = kind[0], kind[1], kind[2]
     num_acc = torch.zeros(bsz, dtype=torch.long, device=dev)
     next_tok = torch.zeros(bsz, dtype=torch.long, device=dev)
-    active = torch.arange(bsz, device=dev)
+    live = list(range(bsz))  # rows still walking (host)
     if isinstance(logits, torch.Tensor):
         flat = logits.reshape(bsz * (k + 1), logits.shape[-1])  # [B*(k+1), V]: rows are contiguous, copies are cheap
 
@@ -322,31 +343,38 @@ def verify_walk(
             return flat.index_select(0, rows * (k + 1) + j)
     else:
         logits_at = logits
+
+    def at(idx: list[int]) -> torch.Tensor:
+        return torch.tensor(idx, dtype=torch.long).to(dev, non_blocking=True)
+
     for j in range(k + 1):
-        if not len(active):
+        if not live:
             break
-        g = greedy[active]
-        token = torch.empty(len(active), dtype=torch.long, device=dev)
-        accepted = torch.zeros(len(active), dtype=torch.bool, device=dev)
+        active = at(live)
+        token = torch.empty(len(live), dtype=torch.long, device=dev)
+        accepted = torch.zeros(len(live), dtype=torch.bool, device=dev)
         x = logits_at(active, j)  # [A, V]: a fresh tensor
         if process is not None:
             x = process(x, active, j)
-        if bool(g.all()):
+        g = [i for i, b in enumerate(live) if is_greedy[b]]
+        if len(g) == len(live):
             token = x.max(dim=-1).indices
         else:
             x = x.float()  # our own copy (float() of a fresh float32 tensor is itself), warped in place
-            if bool(g.any()):
-                token[g] = x[g].max(dim=-1).indices
-            rows = (~g).nonzero().squeeze(1)
-            x = warp_(_pick(x, rows), w.rows(active[rows]))  # [R, V]
+            if g:
+                gi = at(g)
+                token[gi] = x.index_select(0, gi).max(dim=-1).indices
+            other = [i for i, b in enumerate(live) if not is_greedy[b]]  # positions in `live`
+            rows = at(other)
+            x = warp_(_pick(x, rows), w.rows(active[rows], [live[i] for i in other]))  # [R, V]
             rows_b = active[rows]
-            c = seeded[rows_b]
-            if bool(c.any()):  # the coupled choice: the emitted token depends only on p and the seed
-                cr = c.nonzero().squeeze(1)
-                token[rows[cr]] = gumbel_argmax(_pick(x, cr), keys[rows_b[cr], j])
-            unseeded = (~c).nonzero().squeeze(1)
-            drafted = lengths[rows_b[unseeded]] > j
-            s, bonus = unseeded[drafted], unseeded[~drafted]
+            cr = [r for r, i in enumerate(other) if is_seeded[live[i]]]  # positions in `other`
+            if cr:  # the coupled choice: the emitted token depends only on p and the seed
+                cr_t = at(cr)
+                token[rows[cr_t]] = gumbel_argmax(_pick(x, cr_t), keys[rows_b[cr_t], j])
+            plain = [r for r, i in enumerate(other) if not is_seeded[live[i]]]
+            bonus = at([r for r in plain if drafted_to[live[other[r]]] <= j])
+            s = at([r for r in plain if drafted_to[live[other[r]]] > j])
             if len(bonus):  # past the row's last draft: the bonus token, from p
                 token[rows[bonus]] = gumbel_argmax(_pick(x, bonus), keys[rows_b[bonus], j])
             if len(s):  # rejection test against the draft's q, then the recovered token
@@ -362,10 +390,12 @@ def verify_walk(
                     r = residual_logits_(_pick(xs, rej), lse[rej], vals[rej], ids[rej])
                     token[rows[s[rej]]] = gumbel_argmax(r, keys[sb[rej], j])
         if j < k:  # greedy and seeded rows accept while their choice is the draft (and they drafted j)
-            accepted |= (g | seeded[active]) & (token == drafts[active, j]) & (lengths[active] > j)
+            by_choice = at([i for i, b in enumerate(live) if (is_greedy[b] or is_seeded[b]) and drafted_to[b] > j])
+            if len(by_choice):
+                accepted[by_choice] = token[by_choice] == drafts[active[by_choice], j]
         next_tok[active[~accepted]] = token[~accepted]
         num_acc[active[accepted]] += 1
-        active = active[accepted]
+        live = [b for b, a in zip(live, accepted.tolist()) if a]
     return num_acc, next_tok
 
 
