@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from serve_app.config import EngineConfig, ModelConfig
 
@@ -21,7 +21,14 @@ class GroupConfig(BaseModel):
     resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources each worker needs (another way to pin a group to a node type)."""
     num_gpus: float = Field(0, ge=0)
-    """GPUs per worker actor: 1 on GPU nodes, a fraction to share one GPU, 0 on CPU."""
+    """GPUs per worker actor where target_gpus / draft_gpus are not given: 1 on GPU nodes, a fraction to
+    share one GPU, 0 on CPU."""
+    target_gpus: float | None = Field(None, ge=0)
+    """GPUs for the target's worker actor (None: num_gpus). Below 1: a share of one GPU (0.5 + 0.5 with the
+    draft on one GPU); above 1 a whole number."""
+    draft_gpus: float | None = Field(None, ge=0)
+    """GPUs for the draft's worker actor (None: num_gpus), e.g. 0.25 for a 1B draft beside an 8B target's 0.75,
+    or 1 + 1 on a two-GPU node. A replica's two actors land on one node (STRICT_PACK): both counts fit one node."""
     worker_cpus: float = Field(1, gt=0)
     """CPUs reserved per worker actor."""
     torch_threads: int = Field(0, ge=0)
@@ -37,6 +44,26 @@ class GroupConfig(BaseModel):
     replacement worker."""
     worker_start_timeout_s: float = Field(300, gt=0)
     """How long a replacement worker actor may take to start (load its model) before the repair fails."""
+
+    def gpus(self, role: str) -> float:
+        """GPUs the worker actor of `role` (target or draft) asks Ray for."""
+        own = self.target_gpus if role == "target" else self.draft_gpus
+        return self.num_gpus if own is None else own
+
+    def bundle(self, role: str, resources: dict) -> dict:
+        """The placement-group bundle of `role`'s worker actor: its CPUs, its GPUs (a fraction shares one GPU)
+        and the group's custom resources."""
+        gpus = self.gpus(role)
+        return {"CPU": self.worker_cpus, **({"GPU": gpus} if gpus else {}), **resources}
+
+    @model_validator(mode="after")
+    def _gpu_counts_ray_can_place(self) -> "GroupConfig":
+        for role in ("target", "draft"):
+            n = self.gpus(role)
+            if n > 1 and n != int(n):
+                raise ValueError(f"group {self.name}: {role}_gpus = {n:g}: a count above 1 must be a whole number of "
+                                 "GPUs (Ray gives fractions of one GPU only)")
+        return self
 
 
 class AppConfig(BaseModel):
@@ -75,3 +102,18 @@ class AppConfig(BaseModel):
     drain_timeout_s: float = Field(60, gt=0)
     """On shutdown (SIGTERM to `specserve serve`, a pod deleted, a RayService upgrade) new requests get
     503 and in-flight ones get this long to finish. Keep Kubernetes' terminationGracePeriodSeconds above it."""
+
+    @model_validator(mode="after")
+    def _every_model_has_its_gpu(self) -> "AppConfig":
+        from serve_app.models import draft_spec
+
+        if not self.model.device.startswith("cuda"):
+            return self  # CPU workers (GPU counts there are Ray's logical resources: placement only)
+        roles = ["target"] + (["draft"] if draft_spec(self.model) not in ("none",) and
+                              not draft_spec(self.model).startswith("ngram") else [])
+        for g in self.groups:
+            missing = [r for r in roles if not g.gpus(r)]
+            if missing:
+                raise ValueError(f"group {g.name}: device {self.model.device} but the {' and '.join(missing)} worker "
+                                 f"asks Ray for no GPU (set {missing[0]}_gpus or num_gpus; 0.5 each shares one GPU)")
+        return self

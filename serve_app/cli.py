@@ -191,6 +191,17 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/bench-predicted-<hardware type>)")
     bp.set_defaults(func=_cmd_bench_predicted)
 
+    ba = bsub.add_parser("attention", help="attention backends (gather, flex) on one layer's paged pool: ms per call, "
+                                           "speed-up over gather, output difference")
+    ba.add_argument("--cases", default="cpu", choices=["quick", "cpu", "gpu"],
+                    help="quick: 4 x 256; cpu: 16 x 1k context; gpu: 32-64 x 2-8k (default cpu)")
+    ba.add_argument("--shape", default="smollm2-135m", choices=["smollm2-135m", "llama-3.1-8b"], help="heads of this model")
+    ba.add_argument("--device", default="cpu")
+    ba.add_argument("--dtypes", default="float32,bfloat16")
+    ba.add_argument("--rounds", type=int, default=9)
+    ba.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/bench-attention-<hardware type>)")
+    ba.set_defaults(func=_cmd_bench_attention)
+
     bw = bsub.add_parser("proposal-width", help="a sampled row's top-N draft proposal: exact acceptance against the "
                                                  "full distribution; the coupled sampler's noise against iid Gumbel")
     bw.add_argument("--prompts", type=int, default=16)
@@ -223,7 +234,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="auto, float32, bfloat16 or float16 for the sampled, profile and step checks (the exact "
                          "checks run in float32)")
     sc.add_argument("--quick", action="store_true", help="small models and few steps (CI, a CPU)")
-    sc.add_argument("--checks", default=None, help="comma-separated subset: greedy, sampled, seeded, eagle3, profile, step")
+    sc.add_argument("--full", action="store_true", help="the whole GPU campaign: the checks, then `bench attention` "
+                    "(gpu cases, llama-3.1-8b heads, on CUDA), each writing its results files")
+    sc.add_argument("--checks", default=None, help="comma-separated subset: greedy, sampled, seeded, eagle3, attention, "
+                                                   "syncs, kv, profile, step")
     sc.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/selfcheck-<hardware type>)")
     sc.set_defaults(func=_cmd_selfcheck)
 
@@ -298,6 +312,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--access-log", action="store_true", help="log every request and internal call (off: errors and state changes only)")
     s.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on Ctrl-C / SIGTERM: seconds in-flight requests get to finish (new ones get 503)")
+    s.add_argument("--target-gpus", type=float, default=None,
+                   help="GPUs for the target's worker (with --device cuda: default 1; 0.5 shares one with the draft)")
+    s.add_argument("--draft-gpus", type=float, default=None,
+                   help="GPUs for the draft's worker (with --device cuda: default 1 beside a whole target, else the target's)")
     s.set_defaults(func=_cmd_serve)
 
     ch = sub.add_parser("chaos", help="kill the target, the draft and a Router under load on a local service; "
@@ -414,12 +432,18 @@ def _batching_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per KV block, the unit of allocation and of prefix caching (default %(default)s)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="compute every prompt in full (default: share the KV of identical prompt prefixes)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=field["gpu_memory_utilization"].default,
+                   help="on a GPU: the share of its memory a worker may use; its KV pool takes what the weights and "
+                        "a profiling forward leave, up to --max-num-tokens (default %(default)s)")
+    p.add_argument("--attention-backend", default=field["attention_backend"].default, choices=["auto", "gather", "flex"],
+                   help="how attention reads the paged KV pool (default %(default)s: gather on a CPU, flex on CUDA)")
 
 
 def _batching_config(args) -> dict:
     """EngineConfig fields from the flags `_batching_args` adds."""
     return {"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_tokens": args.max_num_tokens,
-            "block_size": args.block_size, "prefix_caching": args.prefix_caching}
+            "block_size": args.block_size, "prefix_caching": args.prefix_caching,
+            "gpu_memory_utilization": args.gpu_memory_utilization, "attention_backend": args.attention_backend}
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -675,6 +699,15 @@ def _cmd_bench_predicted(args) -> int:
     return 0 if results["all_same"] else 1
 
 
+def _cmd_bench_attention(args) -> int:
+    from serve_app.bench.attention import bench_attention
+
+    results, markdown = bench_attention(args.cases, args.shape, args.device, args.dtypes.split(","), args.rounds)
+    _write_bench(args, "attention", results, markdown)
+    return 0 if all(b["max_abs_diff"] < (2e-2 if c["dtype"] == "float32" else 1e-1)
+                    for c in results["cases"] for b in c["backends"].values()) else 1
+
+
 def _cmd_bench_proposal_width(args) -> int:
     from serve_app.bench.proposal_width import run
 
@@ -689,7 +722,17 @@ def _cmd_selfcheck(args) -> int:
     except ValidationError as e:
         raise UsageError(_first_error(e)) from None
     names = [c.strip() for c in args.checks.split(",") if c.strip()] if args.checks else None
-    return main_selfcheck(cfg, args.out, names)
+    rc = main_selfcheck(cfg, args.out, names)
+    if args.full:
+        from serve_app.bench.attention import bench_attention
+
+        cuda = args.device.startswith("cuda")
+        results, markdown = bench_attention("gpu" if cuda else "quick" if args.quick else "cpu",
+                                            "llama-3.1-8b" if cuda else "smollm2-135m", args.device,
+                                            ["bfloat16"] if cuda else ["float32"], 5)
+        args.out = f"{args.out}-attention" if args.out else None  # beside the checks' files
+        _write_bench(args, "attention", results, markdown)
+    return rc
 
 
 def _app_config(args) -> dict:
@@ -708,7 +751,16 @@ def _app_config(args) -> dict:
         "profiles_dir": args.profiles_dir,
         "drain_timeout_s": args.drain_timeout,
         "access_log": args.access_log,
+        "groups": [_gpu_group(args)],
     }
+
+
+def _gpu_group(args) -> dict:
+    """The one engine group of `serve`: on CUDA one GPU per role unless told (0.5 + 0.5 shares one)."""
+    cuda = args.device.startswith("cuda")
+    target = args.target_gpus if args.target_gpus is not None else (1.0 if cuda else 0.0)
+    draft = args.draft_gpus if args.draft_gpus is not None else (1.0 if cuda and target >= 1 else target)
+    return {"target_gpus": target, "draft_gpus": draft}
 
 
 def _cmd_distill(args) -> int:

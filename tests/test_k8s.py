@@ -32,6 +32,8 @@ import kubernetes_validate as kv
 import pytest
 import yaml
 
+from deployments.config import GroupConfig
+
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
 MANIFESTS = sorted(K8S.glob("*.yaml"))
@@ -283,25 +285,32 @@ def test_one_engine_group_per_gpu_worker_group():
     workers = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
     groups = {g["name"]: g for g in serve_config(rs)["applications"][0]["args"]["groups"]}
     assert len(workers) >= 2 and set(workers) == set(groups)
-    products = set()
+    products, layouts = set(), set()
     for name, g in groups.items():
         w = workers[name]
         pod = w["template"]["spec"]
         [container] = pod["containers"]
-        assert container["resources"]["limits"]["nvidia.com/gpu"] == container["resources"]["requests"]["nvidia.com/gpu"] == "1"
+        pod_gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
+        assert container["resources"]["requests"]["nvidia.com/gpu"] == str(pod_gpus)
+        # per-role GPUs as the Router asks Ray for them: both roles of a replica fit the pod's GPUs
+        group = GroupConfig(**g)
+        bundles = [group.bundle(role, {}) for role in ("target", "draft")]
+        assert all(b["GPU"] > 0 for b in bundles) and sum(b["GPU"] for b in bundles) == pod_gpus
+        layouts.add((pod_gpus, group.gpus("target"), group.gpus("draft")))
         products.add(pod["nodeSelector"]["nvidia.com/gpu.product"])
         # the worker group advertises its type under the resource name the engine group asks for
         assert advertised(w) == {f"accelerator_type:{g['accelerator_type']}": 1}
         assert g["gpu_type"] == w["template"]["metadata"]["labels"]["specserve.io/gpu-type"]
         assert g["gpu_type"].startswith("NVIDIA_") and g["accelerator_type"] in g["gpu_type"]
-        # one Router replica (a draft + target pair sharing the GPU) per GPU pod
-        assert g["num_gpus"] * 2 <= 1 and g["num_replicas"] <= w["replicas"] <= w["maxReplicas"]
+        # one Router replica (a draft + target pair) per GPU pod
+        assert g["num_replicas"] <= w["replicas"] <= w["maxReplicas"]
         assert 2 * g["worker_cpus"] <= cpus(container["resources"]["requests"]["cpu"])
         for c in pod["containers"]:
             assert c["readinessProbe"] and c["livenessProbe"]
             assert c["resources"]["requests"] and c["resources"]["limits"]
             assert "/home/ray/models" in {m["mountPath"] for m in c["volumeMounts"]}
     assert len(products) == len(groups)  # each group on its own GPU product
+    assert layouts == {(2, 1, 1), (1, 0.5, 0.5)}  # a GPU per role, and both roles sharing one
     claim = next(d for _, d in all_docs() if d["kind"] == "PersistentVolumeClaim")
     vols = {v["name"]: v for _, t in pod_templates(rs) for v in t["spec"]["volumes"]}
     assert vols["model-cache"]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
@@ -311,7 +320,8 @@ def test_cpu_variant_runs_the_embedded_default_without_gpus():
     [rs] = [d for name, d in rayservices() if name == "rayservice-cpu.yaml"]
     args = serve_config(rs)["applications"][0]["args"]
     assert args["model"]["target"] == "embedded" and args["model"]["device"] == "cpu"
-    assert all(g["num_gpus"] == 0 and not g.get("accelerator_type") for g in args["groups"])
+    assert all(GroupConfig(**g).gpus("target") == GroupConfig(**g).gpus("draft") == 0 and not g.get("accelerator_type")
+               for g in args["groups"])
     text = json.dumps(rs)
     assert "nvidia.com/gpu" not in text and "nodeSelector" not in text
     for _, template in pod_templates(rs):

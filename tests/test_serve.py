@@ -21,6 +21,7 @@ from openai import APIError, OpenAI
 from pydantic import BaseModel
 from ray import serve
 from ray.cluster_utils import Cluster
+from ray.util import placement_group_table
 
 from conftest import save_serving_pair
 from serve_app.cli import main as cli_main
@@ -60,18 +61,21 @@ def service(tmp_path_factory):
     cfg = {
         "model": model_cfg,
         "engine": {"policy": "lut", "max_batch_size": 8, "max_model_len": 96},
-        "groups": [{"name": g, "gpu_type": g, "accelerator_type": g, "resources": {f"gpu_{g}": 1}, "torch_threads": 1}
-                   for g in "AB"],
+        # A: draft and target share one (logical) GPU, 0.5 each; B: a GPU per role on a two-GPU node
+        "groups": [{"name": g, "gpu_type": g, "accelerator_type": g, "resources": {f"gpu_{g}": 1}, "torch_threads": 1,
+                    "target_gpus": GPUS[g] / 2, "draft_gpus": GPUS[g] / 2} for g in "AB"],
         "ingress_resources": {"head": 0.001},
         "served_model_name": MODEL, "profiles_dir": str(root / "profiles"), "max_tokens_limit": 128,
         "profile_poll_s": 0.5, "health_check_period_s": 1,
     }
     # A head node and one worker node per "GPU type", each advertising it the way Ray does for real
-    # GPUs (accelerator_type:<type>) and with 4 units of a stand-in GPU resource.
+    # GPUs (accelerator_type:<type>), with its logical GPUs (placement only: the models run on the CPU)
+    # and 4 units of a stand-in resource.
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 8, "resources": {"head": 1}, "include_dashboard": False, "metrics_export_port": metrics_ports[0]})
     def add_node(g: str, port: int):
-        return cluster.add_node(num_cpus=4, resources={f"gpu_{g}": 4, f"accelerator_type:{g}": 1}, metrics_export_port=port)
+        return cluster.add_node(num_cpus=4, num_gpus=GPUS[g], resources={f"gpu_{g}": 4, f"accelerator_type:{g}": 1},
+                                metrics_export_port=port)
 
     nodes = {g: add_node(g, port) for g, port in zip("AB", metrics_ports[1:])}
     ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
@@ -111,6 +115,9 @@ def gauge(text: str, name: str, gpu_type: str) -> list[float]:
     return [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line.startswith(f"ray_specserve_{name}{{") and f'gpu_type="{gpu_type}"' in line]
 
+
+GPUS = {"A": 1, "B": 2}
+"""Logical GPUs of each group's node."""
 
 PROMPTS = ["the cat sat on the", "a big red dog ran to", "it is very blue and"]
 
@@ -169,6 +176,11 @@ def test_concurrent_requests_are_batched_on_both_groups_each_with_its_own_k(serv
     # each group's draft + target hold one unit each of that group's resource (of 4)
     free = ray.available_resources()
     assert free["gpu_A"] < 2.01 and free["gpu_B"] < 2.01
+    # per-role GPUs: A's pair shares its node's one GPU (0.5 + 0.5), B's takes one of its two each
+    assert free.get("GPU", 0) < 0.01 and ray.cluster_resources()["GPU"] == 3
+    placed = sorted(sorted(b.get("GPU", 0) for b in pg["bundles"].values())
+                    for pg in placement_group_table().values() if pg["state"] == "CREATED")
+    assert placed == [[0.5, 0.5], [1.0, 1.0]], placed
     assert all(ray.get_actor(name) for name in a["actors"] + b["actors"])
 
 
