@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.specserve-installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install serve run test test-slow bench bench-http profile bench-policies distill distill-corpus clean
+.PHONY: install serve run test test-slow bench bench-http profile bench-policies distill distill-corpus clean gpu-wheels
 
 # torch is pinned to the local CPU wheel (an unpinned torch pulls GBs of CUDA); on GPU machines
 # install torch for your CUDA first (docs/development.md, "GPU install"), then `pip install -e .`.
@@ -62,6 +62,18 @@ distill: install  ## train the default EAGLE-3 draft's recipe for the embedded t
 distill-corpus: install  ## keep training INIT (default out/draft, from `make distill`) on the committed corpus into OUT (default out/draft-corpus): the default draft's second stage
 	$(VENV)/bin/specserve distill --method eagle3 --corpus corpora/smollm2-135m-instruct --init $(or $(INIT),out/draft) \
 		--out $(or $(OUT),out/draft-corpus) --epochs 2 --lr 3e-4
+
+
+# The GPU machines (docs/development.md, "On a lent GPU") have torch, transformers, accelerate, numpy and
+# tqdm, not pydantic: its wheels for their Python (3.12), at the versions this venv runs, go into .whl/
+# (git-ignored), which the campaign carries and installs with --no-index.
+GPU_WHEELS := pydantic pydantic-core annotated-types typing-inspection
+gpu-wheels: install  ## wheels the GPU campaign carries (pydantic & co. for Python 3.12) into .whl/
+	rm -rf .whl && mkdir -p .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+		$$($(PY) -c "import importlib.metadata as m; print(' '.join(n + '==' + m.version(n) for n in '$(GPU_WHEELS)'.split()))")
+	ls .whl
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

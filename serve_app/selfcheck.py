@@ -11,6 +11,10 @@ The checks, each PASS or FAIL with a one-line reason and its time:
   seeded    seeded sampling (the coupled sampler) gives the same text at k = 0, 2 and 4 (float32)
   eagle3    an (untrained) EAGLE-3 head, reading the target's features, drafts at k = 2 and 4, and greedy
             output stays the target's
+  attention every attention backend (engine/attention.py) against gather on random paged batches, and greedy
+            output with the backend `auto` picks on this device against gather's
+  syncs     device-to-host reads per engine step at batch 4 and 16 (k = 4) within the engine's budget
+  kv        the KV pool sized from the device's memory (gpu_memory_utilization) and a request run in it
   profile   the profiler's latency grid on a tiny grid (batch 1 and 4, k 0 and 2): ms per step per cell
   step      `bench step`'s in-process run at batch 1 and 32 (greedy, seeded; k = 4)
 
@@ -124,7 +128,8 @@ def noisy_copy(model, rel: float, seed: int = 1):
     return draft
 
 
-def generate(target, draft, tokenizer, prompts: list[list[int]], params: list[SamplingParams], k: int) -> tuple[list[list[int]], int, int]:
+def generate(target, draft, tokenizer, prompts: list[list[int]], params: list[SamplingParams], k: int,
+             attention_backend: str = "auto") -> tuple[list[list[int]], int, int]:
     """Every prompt through a fresh engine at once: (outputs, draft tokens proposed, accepted). k = 0: no draft at all."""
     from serve_app.drafting import draft_worker
     from serve_app.engine.policy import FixedK
@@ -133,7 +138,8 @@ def generate(target, draft, tokenizer, prompts: list[list[int]], params: list[Sa
 
     pad = tokenizer.pad_token_id or 0
     dw = draft_worker(draft, pad) if k > 0 else None
-    config = EngineConfig(policy=f"fixed:{k}" if k else "none", max_batch_size=len(prompts), max_k=max(k, 1))
+    config = EngineConfig(policy=f"fixed:{k}" if k else "none", max_batch_size=len(prompts), max_k=max(k, 1),
+                          attention_backend=attention_backend)
     engine = Engine(ModelWorker(target, "target", pad), dw, tokenizer, config, FixedK(k))
     reqs = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
     engine.run(reqs)
@@ -254,9 +260,92 @@ def check_step(ctx: Context):
     return True, f"{cfg.shape} x {cfg.layers}, batch 32, k 4: {shown}", {"rows": rows, "shape": cfg.shape}
 
 
+def check_attention(ctx: Context):
+    """Every attention backend against gather on this device (random pools: GQA, ragged rows, prefill chunks,
+    a shared prefix), then greedy speculative output with the one `auto` picks here against gather's."""
+    from serve_app.engine import attention
+
+    cases = [[(30, 5), (3, 2), (47, 4), (16, 1)], [(0, 37), (16, 20), (40, 3)], [(32, 1), (40, 1), (70, 1)]]
+    worst = {}
+    for b in attention.BACKENDS:
+        for i, spec in enumerate(cases):
+            q, kp, vp, rows, pos, bs, nblk = attention.random_batch(spec, seed=i, shared_prefix_blocks=i % 2)
+            args = [t.to(ctx.cfg.device) for t in (q, kp, vp)]
+            want = attention.attend("gather", *args, [g.to(ctx.cfg.device) for g in attention.layout("gather", rows, pos, bs, nblk)], None)
+            lay = attention.layout(b, rows, pos, bs, nblk)
+            lay = lay.to(ctx.cfg.device) if b == "flex" else [g.to(ctx.cfg.device) for g in lay]
+            got = attention.attend(b, *args, lay, None)
+            worst[b] = max(worst.get(b, 0.0), (got - want).abs().max().item())
+    bad = {b: e for b, e in worst.items() if e > 1e-4}
+    if bad:
+        return False, f"backends differ from gather (float32): {bad}", {"max_abs_diff": worst}
+    chosen = attention.choose("auto", ctx.cfg.device)
+    target, draft, tok = ctx.models()
+    params = [SamplingParams(max_tokens=ctx.cfg.max_tokens, ignore_eos=True)] * 4
+    outs = {}
+    for b in {"gather", chosen}:
+        outs[b], _, _ = generate(target, draft, tok, ctx.prompts(), params, 2, attention_backend=b)
+    if outs[chosen] != outs["gather"]:
+        return False, f"greedy output with {chosen} differs from gather: {_first_difference(outs[chosen], outs['gather'])}", \
+            {"max_abs_diff": worst, "auto": chosen}
+    shown = ", ".join(f"{b} {e:.1e}" for b, e in worst.items())
+    return True, f"largest difference from gather: {shown}; auto picks {chosen} here, greedy output identical", \
+        {"max_abs_diff": worst, "auto": chosen}
+
+
+def check_syncs(ctx: Context):
+    """Device-to-host reads per engine step (on CUDA only reads of CUDA tensors count) at batch 4 and 16,
+    a mix of greedy, seeded and sampled rows, k = 4: within the engine's budget, and not growing per row."""
+    from serve_app.engine.policy import FixedK
+    from serve_app.engine.scheduler import Engine
+    from serve_app.engine.syncs import STEP_BUDGET_PER_POSITION, SyncCounter
+    from serve_app.engine.worker import ModelWorker
+    from serve_app.drafting import draft_worker
+
+    target, draft, tok = ctx.models()
+    k, per = 4, {}
+    for batch in (4, 16):
+        engine = Engine(ModelWorker(target, "target", tok.pad_token_id or 0), draft_worker(draft, tok.pad_token_id or 0),
+                        tok, EngineConfig(policy=f"fixed:{k}", max_batch_size=batch, max_k=k), FixedK(k))
+        kinds = [dict(temperature=0.0), dict(temperature=1.0, seed=7), dict(temperature=0.8, top_p=0.9)]
+        for i, p in enumerate(random_prompts(batch, 12, SHAPES[ctx.cfg.shape].vocab_size, seed=batch)):
+            engine.submit(p, SamplingParams(max_tokens=64, ignore_eos=True, **kinds[i % 3]))
+        while engine.waiting or engine.prefilling:
+            engine.step()
+        with SyncCounter(ctx.cfg.device) as c:
+            for _ in range(4):
+                engine.step()
+        per[batch] = c.total / 4
+    budget = STEP_BUDGET_PER_POSITION * (k + 1)
+    ok = max(per.values()) <= budget
+    return ok, f"host reads per step at k = {k}: batch 4 {per[4]:.1f}, batch 16 {per[16]:.1f} (budget {budget})", \
+        {"reads_per_step": per, "budget": budget}
+
+
+def check_kv(ctx: Context):
+    """The KV pool sized from this device's memory (on CUDA: weights + a profiling forward measured; on a CPU
+    nothing to size from) and allocated at once."""
+    from serve_app.engine.policy import FixedK
+    from serve_app.engine.scheduler import Engine
+    from serve_app.engine.worker import ModelWorker
+
+    target, _, tok = ctx.models()
+    cfg = EngineConfig(max_batch_size=4, max_num_tokens=1 << 20, max_num_batched_tokens=256, gpu_memory_utilization=0.5)
+    engine = Engine(ModelWorker(target, "target", tok.pad_token_id or 0), None, tok, cfg, FixedK(0))
+    pool = engine.kv_pool
+    req = engine.submit(ctx.prompts()[0], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.run([req])  # the pool is allocated at its first write
+    if len(req.output_ids) != 4:
+        return False, f"a request in the sized pool gave {len(req.output_ids)} tokens of 4", {"kv_pool": pool}
+    if ctx.cfg.device.startswith("cuda") and pool["from"] != "device memory":
+        return False, f"on {ctx.cfg.device} the pool was not sized from memory: {pool}", {"kv_pool": pool}
+    return True, f"{pool['tokens']:,} tokens from {pool['from']} (gpu_memory_utilization 0.5, attention {pool['attention']})", \
+        {"kv_pool": pool}
+
+
 CHECKS: dict[str, Callable[[Context], tuple[bool, str, dict]]] = {
     "greedy": check_greedy, "sampled": check_sampled, "seeded": check_seeded, "eagle3": check_eagle3,
-    "profile": check_profile, "step": check_step,
+    "attention": check_attention, "syncs": check_syncs, "kv": check_kv, "profile": check_profile, "step": check_step,
 }
 
 

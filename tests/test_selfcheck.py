@@ -17,10 +17,12 @@ ROOT = Path(__file__).resolve().parent.parent
 BLOCKED = "ray", "matplotlib", "gguf", "openai", "fastapi"
 
 
-def test_quick_cpu_selfcheck_passes_without_ray_or_matplotlib(tmp_path):
+def test_quick_cpu_campaign_passes_without_ray_or_matplotlib(tmp_path):
+    """The GPU campaign's command (`selfcheck --full`) with --device cpu --quick: every check, then the
+    attention benchmark, each with its results files."""
     stem = tmp_path / "selfcheck-cpu"
     code = (f"import sys; sys.modules.update(dict.fromkeys({BLOCKED!r})); from serve_app.cli import main; "
-            f"sys.exit(main(['selfcheck', '--device', 'cpu', '--quick', '--out', {str(stem)!r}]))")
+            f"sys.exit(main(['selfcheck', '--device', 'cpu', '--quick', '--full', '--out', {str(stem)!r}]))")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "SPECSERVE_AUTO_DTYPE": "bfloat16"})  # the low-precision path, as on a GPU
     assert run.returncode == 0, run.stdout + run.stderr
@@ -31,6 +33,9 @@ def test_quick_cpu_selfcheck_passes_without_ray_or_matplotlib(tmp_path):
         assert f"PASS {name}" in run.stdout
     md = stem.with_suffix(".md").read_text()
     assert "| greedy | PASS |" in md and "All checks passed." in md
+    bench = json.loads((tmp_path / "selfcheck-cpu-attention.json").read_text())
+    assert {b for c in bench["cases"] for b in c["backends"]} == {"gather", "flex"}
+    assert all(b["max_abs_diff"] < 1e-4 for c in bench["cases"] for b in c["backends"].values())
 
 
 def test_a_failing_check_makes_it_exit_1_and_the_others_still_run(tmp_path, monkeypatch, capsys):
