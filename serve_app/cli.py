@@ -235,7 +235,8 @@ def _parser() -> argparse.ArgumentParser:
                          "checks run in float32)")
     sc.add_argument("--quick", action="store_true", help="small models and few steps (CI, a CPU)")
     sc.add_argument("--full", action="store_true", help="the whole GPU campaign: the checks, then `bench attention` "
-                    "(gpu cases, llama-3.1-8b heads, on CUDA), each writing its results files")
+                    "(gpu cases, llama-3.1-8b heads, on CUDA) and the profiler's latency grid for random "
+                    "Llama-3.1-8B / 3.2-1B models at full depth, each writing its results files")
     sc.add_argument("--checks", default=None, help="comma-separated subset: greedy, sampled, seeded, eagle3, attention, "
                                                    "syncs, kv, profile, step")
     sc.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/selfcheck-<hardware type>)")
@@ -730,8 +731,14 @@ def _cmd_selfcheck(args) -> int:
         results, markdown = bench_attention("gpu" if cuda else "quick" if args.quick else "cpu",
                                             "llama-3.1-8b" if cuda else "smollm2-135m", args.device,
                                             ["bfloat16"] if cuda else ["float32"], 5)
-        args.out = f"{args.out}-attention" if args.out else None  # beside the checks' files
+        stem = args.out
+        args.out = f"{stem}-attention" if stem else None  # beside the checks' files
         _write_bench(args, "attention", results, markdown)
+        from serve_app.selfcheck import latency_grid
+
+        results, markdown = latency_grid(cfg)
+        args.out = f"{stem}-grid" if stem else None
+        _write_bench(args, "latency-grid", results, markdown)
     return rc
 
 
