@@ -181,6 +181,8 @@ def test_concurrent_requests_are_batched_on_both_groups_each_with_its_own_k(serv
     placed = sorted(sorted(b.get("GPU", 0) for b in pg["bundles"].values())
                     for pg in placement_group_table().values() if pg["state"] == "CREATED")
     assert placed == [[0.5, 0.5], [1.0, 1.0]], placed
+    # CPU workers: the pool is max_num_tokens (no device memory to size from) and attention gathers
+    assert a["kv_pool"] == b["kv_pool"] == {"tokens": 65536, "from": "max_num_tokens", "rooms": [], "attention": "gather"}
     assert all(ray.get_actor(name) for name in a["actors"] + b["actors"])
 
 
@@ -741,6 +743,7 @@ def test_metrics_on_the_api_port_with_vllm_names(service):
     per_pos = sum(by("vllm:spec_decode_num_accepted_tokens_per_pos_total"))
     assert per_pos == sum(by("vllm:spec_decode_num_accepted_tokens_total"))
     assert {lab["gpu_type"] for n, lab, _ in samples if n == "specserve_batch_size"} == {"A", "B"}
+    assert set(by("specserve_kv_pool_tokens")) == {65536.0}
     info = {(lab["gpu_type"], lab["source"]): v for n, lab, v in samples if n == "specserve_profile_info"}
     assert info[("A", "measured")] == info[("B", "measured")] == 1.0 and info[("A", "predicted")] == 0.0
 
