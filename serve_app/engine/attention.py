@@ -189,6 +189,13 @@ def _flex_fn(device: torch.device):
     return _compiled[device.type]
 
 
+def kernel_options(block_size: int) -> dict:
+    """The compiled (Triton) kernel's tiles: they must divide the block mask's blocks (a tile of TILE queries,
+    a pool block of keys), which its default tiles (64-128) do not. A pool block size that 16 does not divide
+    fails the startup probe, and `auto` falls back to gather."""
+    return {"BLOCK_M": TILE, "BLOCK_N": next((n for n in (64, 32, 16) if block_size % n == 0), block_size)}
+
+
 def flex_attend(q, k_pool, v_pool, lay: FlexLayout, scaling) -> torch.Tensor:
     # q [T, H, D]; k_pool, v_pool [slots, kv_heads, D] -> [T, H, D]
     from torch.nn.attention.flex_attention import BlockMask
@@ -205,8 +212,9 @@ def flex_attend(q, k_pool, v_pool, lay: FlexLayout, scaling) -> torch.Tensor:
     mask = BlockMask.from_kv_blocks(lay.kv_num_blocks, lay.kv_indices, BLOCK_SIZE=(TILE, bs), mask_mod=mask_mod,
                                     seq_lengths=(lay.pad_index.shape[0], slots))
     qp = q[lay.pad_index].transpose(0, 1)[None]  # [1, H, Tpad, D]
+    extra = {"kernel_options": kernel_options(bs)} if q.is_cuda else {}
     o = _flex_fn(q.device)(qp, k_pool.transpose(0, 1)[None], v_pool.transpose(0, 1)[None], block_mask=mask,
-                           scale=scaling, enable_gqa=q.shape[1] != k_pool.shape[1])
+                           scale=scaling, enable_gqa=q.shape[1] != k_pool.shape[1], **extra)
     return o[0].transpose(0, 1)[lay.real]  # [T, H, D]
 
 
@@ -225,9 +233,9 @@ def attend(backend: str, q, k_pool, v_pool, lay, scaling) -> torch.Tensor:
     return gather_attend(q, k_pool, v_pool, lay, scaling)
 
 
-def choose(name: str, device) -> str:
+def choose(name: str, device, block_size: int = 16) -> str:
     """The backend a worker on `device` runs: `name`, or for `auto` gather on a CPU and flex on CUDA if it
-    passes `probe` there (compiles, and matches gather)."""
+    passes `probe` there at the pool's block size (compiles, and matches gather)."""
     if name != "auto":
         if name not in BACKENDS:
             raise ValueError(f"attention backend must be auto or one of {BACKENDS}, got {name!r}")
@@ -236,7 +244,7 @@ def choose(name: str, device) -> str:
     if device.type != "cuda":
         return "gather"
     try:
-        err = probe("flex", device)
+        err = probe("flex", device, block_size=block_size)
     except Exception as e:  # flex missing or failing to compile here: gather works everywhere
         log.warning("attention: flex_attention failed its probe on %s (%s); using gather", device, e)
         return "gather"
@@ -246,10 +254,11 @@ def choose(name: str, device) -> str:
     return "flex"
 
 
-def probe(backend: str, device, dtype=torch.float32, seed: int = 0) -> float:
+def probe(backend: str, device, dtype=torch.float32, seed: int = 0, block_size: int = 16) -> float:
     """Largest difference between `backend` and gather on a small random batch (GQA, a prefill chunk,
     ragged decoding rows over shuffled blocks) on `device`."""
-    q, kp, vp, rows, pos, bs, nblk = random_batch([(0, 40), (35, 3), (70, 1), (18, 5)], seed=seed)
+    q, kp, vp, rows, pos, bs, nblk = random_batch([(0, 40), (35, 3), (70, 1), (18, 5)], seed=seed,
+                                                  block_size=block_size)
     args = [t.to(device, dtype) for t in (q, kp, vp)]
     want = attend("gather", *args, layout("gather", rows, pos, bs, nblk), None)
     lay = layout(backend, rows, pos, bs, nblk)

@@ -157,7 +157,7 @@ class ModelWorker:
         attention backend chosen (`auto` resolved for this device)."""
         if self.seqs:
             raise RuntimeError(f"{self.role}: configure the KV cache before adding sequences")
-        backend = attention.choose(attention_backend, self.device)
+        backend = attention.choose(attention_backend, self.device, block_size)
         self.cache = PagedKV(block_size, max_blocks, prefix_caching and self.shares_prefixes(), backend, preallocate)
         self.kept = None
         return backend
