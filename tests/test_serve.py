@@ -186,6 +186,19 @@ def test_concurrent_requests_are_batched_on_both_groups_each_with_its_own_k(serv
     assert all(ray.get_actor(name) for name in a["actors"] + b["actors"])
 
 
+def test_roles_ray_cannot_place_fail_the_router_start_with_what_was_asked(service):
+    """A group asking for more GPUs per replica than any node has: its Router's start fails naming the
+    bundles and the cluster's resources (after worker_start_timeout_s), instead of pending forever."""
+    from deployments.config import GroupConfig
+    from deployments.router import Router
+
+    r = object.__new__(Router.func_or_class)
+    r.group, r.roles = GroupConfig(name="big", target_gpus=2, draft_gpus=2, worker_start_timeout_s=2), ["target", "draft"]
+    with pytest.raises(RuntimeError, match=r"group big: Ray could not place its workers .*'GPU': 2.*give the roles fewer GPUs"):
+        r._placement_group()
+    assert all(pg["state"] != "PENDING" for pg in placement_group_table().values())  # the request was withdrawn
+
+
 def test_metrics_are_exported_with_gpu_type_labels(service):
     # Ray's metrics agent exports on its own schedule; on a loaded 2-core machine once took over 60 s.
     deadline, text = time.time() + 150, ""

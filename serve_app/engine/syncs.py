@@ -17,7 +17,7 @@ READS = {"item", "tolist", "cpu", "numpy", "nonzero", "argwhere", "__bool__", "_
 """Tensor methods and functions whose result the host needs (any / all count only when `bool()` of their
 result is taken: that is the read)."""
 
-STEP_BUDGET_PER_POSITION = 12
+STEP_BUDGET_PER_POSITION = 9
 """Most host reads per engine step per speculated position (k + 1), for any batch size."""
 
 

@@ -566,7 +566,8 @@ class ModelWorker:
         w = Warp.of([s.params for s in seqs], dev)
 
         def draw(logits, positions, small=None, rows=None):
-            sub = seqs if rows is None else [seqs[b] for b in rows.tolist()]
+            picked = None if rows is None else rows.tolist()  # rows: a host tensor
+            sub = seqs if picked is None else [seqs[b] for b in picked]
             keys = torch.tensor([noise_key(s.params.seed, n) if _coupled(s) else -1 for s, n in zip(sub, positions)],
                                 dtype=torch.int32, device=dev)
             u = torch.stack([torch.rand(1, generator=s.generator)[0] if _sampled(s) else torch.zeros(()) for s in sub]).to(dev)
@@ -576,8 +577,11 @@ class ModelWorker:
                 tok, q, ids = draft_choice(logits, greedy, keys, w, u, self.top_n)
             else:
                 index = rows.to(dev)
-                tok, q, ids = draft_choice(logits, greedy[index], keys, w.rows(index), u, self.top_n)
-            return tok.cpu(), q.cpu(), ids.cpu(), c
+                tok, q, ids = draft_choice(logits, greedy[index], keys, w.rows(index, picked), u, self.top_n)
+            # q and ids copied without waiting, then tok's copy waits for the stream once: one sync, not three
+            if q is not None:  # None: every row drawn here is greedy
+                q, ids = q.to("cpu", non_blocking=True), ids.to("cpu", non_blocking=True)
+            return tok.cpu(), q, ids, c
 
         return draw
 
