@@ -5,7 +5,8 @@ verifying), over a pool whose blocks are shuffled (as a long-running server's ar
 median and spread of one layer's attention call over interleaved rounds, its speed-up over gather (the
 baseline, run in the same rounds), and the largest difference from gather's output. flex runs compiled
 (`torch.compile(flex_attention)`, on a CPU too: the eager path is a dense reference only) and its
-compile time is reported apart. Only torch: runs on a GPU machine as is.
+compile time is reported apart. flex's block mask is built once per forward, at its first layer, and
+reused by the others, so a layer's call here reuses it too. Only torch: runs on a GPU machine as is.
 """
 
 from __future__ import annotations

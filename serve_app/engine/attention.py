@@ -132,14 +132,38 @@ class FlexLayout:
     tables: torch.Tensor  # [rows, max blocks] each row's blocks (TRASH past its end)
     block_pos: torch.Tensor  # [pool blocks] a held block's index in its tables (one per block: a shared
     #                          prefix block sits at the same index in every table holding it)
-    kv_num_blocks: torch.Tensor  # [1, 1, tiles] int32 blocks each tile reads
-    kv_indices: torch.Tensor  # [1, 1, tiles, pool blocks] int32 those blocks first
+    kv_num_blocks: torch.Tensor  # [tiles] int32 blocks each tile reads
+    tile_tables: torch.Tensor  # [tiles, most blocks a tile reads] int32 those blocks (0 past each tile's)
     block_size: int
     pool_blocks: int
+    mask: object = None  # the forward's BlockMask, built at its first layer and reused by the others
 
     def to(self, device) -> "FlexLayout":
         t = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()}
-        return FlexLayout(**t)
+        return FlexLayout(**{**t, "mask": None})
+
+    def block_mask(self, slots: int):
+        """flex_attention's block mask for this forward: tile t reads blocks tile_tables[t] of the pool (a
+        key's block must also be in the query row's table, at or before the query: `mask_mod`). Built once
+        per forward on the layout's device: only the small per-tile tables crossed from the host, not the
+        [tiles, pool blocks] index flex_attention takes."""
+        if self.mask is None:
+            from torch.nn.attention.flex_attention import BlockMask
+
+            bs, tables, block_pos, q_pos, q_row = self.block_size, self.tables, self.block_pos, self.q_pos, self.q_row
+            last = tables.shape[1] - 1
+
+            def mask_mod(b, h, qi, ki):  # a key is seen by a query of the row holding its block, at or before it
+                blk = ki // bs
+                j = block_pos[blk]
+                return (tables[q_row[qi], torch.clamp(j, max=last)] == blk) & (j <= last) & (j * bs + ki % bs <= q_pos[qi])
+
+            tiles, width = self.tile_tables.shape
+            kv_idx = torch.zeros((tiles, self.pool_blocks), dtype=torch.int32, device=self.tile_tables.device)
+            kv_idx[:, :width] = self.tile_tables
+            self.mask = BlockMask.from_kv_blocks(self.kv_num_blocks[None, None], kv_idx[None, None], BLOCK_SIZE=(TILE, bs),
+                                                 mask_mod=mask_mod, seq_lengths=(self.pad_index.shape[0], slots))
+        return self.mask
 
 
 def flex_layout(rows: list[Row], pos: torch.Tensor, block_size: int, pool_blocks: int) -> FlexLayout:
@@ -164,11 +188,11 @@ def flex_layout(rows: list[Row], pos: torch.Tensor, block_size: int, pool_blocks
         tables[i, : len(t)] = t
         block_pos[t] = torch.arange(len(t))
     kv_num = torch.tensor([len(b) for b in tile_blocks], dtype=torch.int32)
-    kv_idx = torch.zeros(len(tile_blocks), pool_blocks, dtype=torch.int32)
+    tile_tables = torch.zeros(len(tile_blocks), max(len(b) for b in tile_blocks), dtype=torch.int32)
     for t, b in enumerate(tile_blocks):
-        kv_idx[t, : len(b)] = torch.tensor(b, dtype=torch.int32)
+        tile_tables[t, : len(b)] = torch.tensor(b, dtype=torch.int32)
     return FlexLayout(torch.cat(pad_index), real_t, torch.cat(q_pos), torch.cat(q_row), tables, block_pos,
-                      kv_num[None, None], kv_idx[None, None], bs, pool_blocks)
+                      kv_num, tile_tables, bs, pool_blocks)
 
 
 COMPILE_FLEX: bool | None = None
@@ -198,19 +222,7 @@ def kernel_options(block_size: int) -> dict:
 
 def flex_attend(q, k_pool, v_pool, lay: FlexLayout, scaling) -> torch.Tensor:
     # q [T, H, D]; k_pool, v_pool [slots, kv_heads, D] -> [T, H, D]
-    from torch.nn.attention.flex_attention import BlockMask
-
-    bs, tables, block_pos, q_pos, q_row = lay.block_size, lay.tables, lay.block_pos, lay.q_pos, lay.q_row
-    last = tables.shape[1] - 1
-
-    def mask_mod(b, h, qi, ki):  # a key is seen by a query of the row holding its block, at or before it
-        blk = ki // bs
-        j = block_pos[blk]
-        return (tables[q_row[qi], torch.clamp(j, max=last)] == blk) & (j <= last) & (j * bs + ki % bs <= q_pos[qi])
-
-    slots = k_pool.shape[0]
-    mask = BlockMask.from_kv_blocks(lay.kv_num_blocks, lay.kv_indices, BLOCK_SIZE=(TILE, bs), mask_mod=mask_mod,
-                                    seq_lengths=(lay.pad_index.shape[0], slots))
+    bs, mask = lay.block_size, lay.block_mask(k_pool.shape[0])
     qp = q[lay.pad_index].transpose(0, 1)[None]  # [1, H, Tpad, D]
     extra = {"kernel_options": kernel_options(bs)} if q.is_cuda else {}
     o = _flex_fn(q.device)(qp, k_pool.transpose(0, 1)[None], v_pool.transpose(0, 1)[None], block_mask=mask,
