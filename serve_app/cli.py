@@ -235,8 +235,8 @@ def _parser() -> argparse.ArgumentParser:
                          "checks run in float32)")
     sc.add_argument("--quick", action="store_true", help="small models and few steps (CI, a CPU)")
     sc.add_argument("--full", action="store_true", help="the whole GPU campaign: the checks, then `bench attention` "
-                    "(gpu cases, llama-3.1-8b heads, on CUDA) and the profiler's latency grid for random "
-                    "Llama-3.1-8B / 3.2-1B models at full depth, each writing its results files")
+                    "(gpu cases, llama-3.1-8b heads, on CUDA), this device's profile of a random Llama-3.1-8B "
+                    "at full depth with a truncated draft, and a short `bench policies` steered by it")
     sc.add_argument("--checks", default=None, help="comma-separated subset: greedy, sampled, seeded, eagle3, attention, "
                                                    "syncs, kv, profile, step")
     sc.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/selfcheck-<hardware type>)")
@@ -734,11 +734,11 @@ def _cmd_selfcheck(args) -> int:
         stem = args.out
         args.out = f"{stem}-attention" if stem else None  # beside the checks' files
         _write_bench(args, "attention", results, markdown)
-        from serve_app.selfcheck import latency_grid
+        from serve_app.bench.campaign import profile_and_policies
 
-        results, markdown = latency_grid(cfg)
-        args.out = f"{stem}-grid" if stem else None
-        _write_bench(args, "latency-grid", results, markdown)
+        results, markdown = profile_and_policies(args.device, args.dtype, args.quick, stem)
+        args.out = f"{stem}-campaign" if stem else None
+        _write_bench(args, "campaign", results, markdown)
     return rc
 
 

@@ -421,38 +421,3 @@ def main_selfcheck(cfg: SelfCheck, out: str | None, names: list[str] | None = No
     print(f"results: {json_path}, {md_path}", file=sys.stderr)
     return 0 if ok else 1
 
-
-# ---- the campaign's latency grid (`selfcheck --full`) ------------------------------------------------
-GRID = {  # quick (a CPU): tiny shapes; full (a GPU): whole-depth random Llama-3.1-8B target, -3.2-1B draft
-    True: {"target": ("tiny-128k", 2), "draft": ("tiny-128k", 1), "batches": [1, 4], "ks": [0, 2], "reps": 1},
-    False: {"target": ("llama-3.1-8b", 32), "draft": ("llama-3.2-1b", 16), "batches": [1, 8, 32, 64],
-            "ks": [0, 1, 2, 4, 6], "reps": 2},
-}
-
-
-def latency_grid(cfg: SelfCheck) -> tuple[dict, str]:
-    """The profiler's latency grid (draft / verify / other ms per step at every batch size and k) for random
-    models at real shapes and depth: what a profile of this GPU type would steer by at 8B. Random weights
-    price a step as real ones do (acceptance is not measured: it belongs to the real pair)."""
-    from tqdm import tqdm
-
-    from serve_app.models import DTYPES, LoadedModels, resolve_dtype
-    from serve_app.profiling.profiler import measure_latency
-
-    g = GRID[cfg.quick]
-    dtype = resolve_dtype(cfg.dtype, cfg.device)
-    (ts, tl), (ds, dl) = g["target"], g["draft"]
-    target = random_llama(SHAPES[ts], tl, seed=0, dtype=DTYPES[dtype], device=cfg.device)
-    draft = random_llama(SHAPES[ds], dl, seed=1, dtype=DTYPES[dtype], device=cfg.device)
-    models = LoadedModels(target, draft, vocab_tokenizer(SHAPES[ts].vocab_size), ts, ds)
-    batches, ks, reps = g["batches"], g["ks"], g["reps"]
-    with tqdm(total=len(batches) * ((reps + 1) * len(ks) + 1), desc="latency grid", unit="cell") as bar:
-        grid = measure_latency(models, batches, ks, reps, bar)
-    lines = [f"# Latency grid: random {ts} x {tl} layers, draft {ds} x {dl} ({cfg.device}, {dtype})", "",
-             "ms per step: draft + verify + other, median of the profiler's rounds (`specserve selfcheck --full`).", "",
-             "| batch | " + " | ".join(f"k = {k}" for k in ks) + " |", "|---|" + "---|" * len(ks)]
-    for i, b in enumerate(batches):
-        cells = [f"{grid.draft_ms[i][j]:.1f} + {grid.verify_ms[i][j]:.1f} + {grid.other_ms[i][j]:.1f}" for j in range(len(ks))]
-        lines.append(f"| {b} | " + " | ".join(cells) + " |")
-    return {"target": [ts, tl], "draft": [ds, dl], "device": cfg.device, "dtype": dtype, "grid": grid.model_dump()}, \
-        "\n".join(lines) + "\n"

@@ -36,8 +36,11 @@ def test_quick_cpu_campaign_passes_without_ray_or_matplotlib(tmp_path):
     bench = json.loads((tmp_path / "selfcheck-cpu-attention.json").read_text())
     assert {b for c in bench["cases"] for b in c["backends"]} == {"gather", "flex"}
     assert all(b["max_abs_diff"] < 1e-4 for c in bench["cases"] for b in c["backends"].values())
-    grid = json.loads((tmp_path / "selfcheck-cpu-grid.json").read_text())["grid"]
+    campaign = json.loads((tmp_path / "selfcheck-cpu-campaign.json").read_text())
+    grid = campaign["profile"]["latency"]
     assert grid["batch_sizes"] == [1, 4] and all(v > 0 for row in grid["verify_ms"] for v in row)
+    assert set(campaign["policies"]["uniform"]["4"]) == {"none", "fixed:1", "fixed:2", "lut", "adaptive"}
+    assert (tmp_path / "selfcheck-cpu-profile.json").is_file() and (tmp_path / "selfcheck-cpu-policies" / "summary.md").is_file()
 
 
 def test_a_failing_check_makes_it_exit_1_and_the_others_still_run(tmp_path, monkeypatch, capsys):

@@ -239,13 +239,14 @@ def all_policies(max_k: int) -> list[str]:
 
 def bench_policies(models: LoadedModels, profile: Profile, out_dir: str, concurrencies: list[int], max_k: int = 8,
                    scale: float = 1.0, seed: int = 0, parts: str = "abc", repeat: int = 1,
-                   policies: list[str] | None = None) -> dict:
+                   policies: list[str] | None = None, plots: bool = True) -> dict:
     """Run the experiments in `parts`, write results.json, summary.md and PNG plots into out_dir.
 
     With repeat > 1 every experiment runs that many rounds, each round running every policy once
     (interleaved, so slow spells of a shared machine hit all policies alike); figures are medians
     over the rounds, and the spread of each policy's mean latency is reported beside them.
     `policies` (default none, fixed:1..max_k, lut, adaptive, budget) must hold a fixed k for the ratios.
+    plots: draw the PNGs (needs matplotlib; the GPU campaign runs without it where it is missing).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -288,14 +289,16 @@ def bench_policies(models: LoadedModels, profile: Profile, out_dir: str, concurr
             runs = rounds("(b)", policies, varying, 32, True)
             results["varying"] = {"requests": len(varying), "phases": phases, "policies": _open_loop_rows(runs, varying),
                                   "regret": regret_report(runs)}
-            _plot_varying(out / "varying.png", varying, phases, {p: _median_run(rs) for p, rs in runs.items()})
+            if plots:
+                _plot_varying(out / "varying.png", varying, phases, {p: _median_run(rs) for p, rs in runs.items()})
         if mixed:
             runs = rounds("(d)", policies, mixed, 32, True)
             kinds = {k: sum(j.kind == k for j in mixed) for k, _ in MIXED_KINDS}
             results["mixed"] = {"requests": len(mixed), "kinds": kinds, "phases": mixed_phases,
                                 "policies": _open_loop_rows(runs, mixed), "regret": regret_report(runs)}
-            _plot_varying(out / "mixed.png", mixed, mixed_phases, {p: _median_run(rs) for p, rs in runs.items()},
-                          "(d) bursts of mixed requests (chat, JSON, rewrites)")
+            if plots:
+                _plot_varying(out / "mixed.png", mixed, mixed_phases, {p: _median_run(rs) for p, rs in runs.items()},
+                              "(d) bursts of mixed requests (chat, JSON, rewrites)")
         if shift:
             half = len(shift) // 2
             results["shift"], shift_runs = {}, {}
@@ -309,8 +312,9 @@ def bench_policies(models: LoadedModels, profile: Profile, out_dir: str, concurr
                     "structured_acceptance": _med(rs, lambda r: _acceptance(r.per_request[half:])),
                     "mean_latency_s": _med(rs, lambda r: r.mean_latency), "spread": _spread(rs),
                     "mean_k": _med(rs, _mean_k)} for p, rs in runs.items()}
-            _plot_shift(out / "shift.png", shift_runs, half)
-    if "uniform" in results:
+            if plots:
+                _plot_shift(out / "shift.png", shift_runs, half)
+    if "uniform" in results and plots:
         _plot_uniform(out / "uniform.png", results["uniform"], policies)
     results["provenance"] = provenance()
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")

@@ -213,17 +213,27 @@ def run_profile(mc: ModelConfig, out: str | None, batch_sizes: list[int], max_k:
     models = load_models(mc)
     if models.draft is None:
         raise ValueError("profiling needs a draft model (--draft): without one there is no k to choose")
+    out_path = Path(out or f"profiles/{detect_gpu_type()}.json")
+    target, draft = model_names(mc)
+    profile = measure_profile(models, target, draft, resolve_dtype(mc.dtype, mc.device), mc.device, batch_sizes, max_k,
+                              reps, num_prompts, max_tokens)
+    save_profile(profile, out_path)
+    plot_profile(profile, out_path.with_suffix(".png"))
+    return profile, out_path
+
+
+def measure_profile(models: LoadedModels, target: str, draft: str, dtype: str, device: str, batch_sizes: list[int],
+                    max_k: int, reps: int, num_prompts: int, max_tokens: int) -> Profile:
+    """This machine's profile of a loaded pair (named target / draft): latency grid, acceptance, best-k table."""
     gpu_type = detect_gpu_type()
-    out_path = Path(out or f"profiles/{gpu_type}.json")
     ks = list(range(max_k + 1))
     torch.manual_seed(0)
     total = len(batch_sizes) * ((reps + 1) * len(ks) + 1) + num_prompts
     with tqdm(total=total, desc=f"profile {gpu_type}", unit="cell") as bar:
         grid = measure_latency(models, batch_sizes, ks, reps, bar)
         acceptance = measure_acceptance(models, max_k, num_prompts, max_tokens, bar)
-    target, draft = model_names(mc)
-    profile = Profile(
-        gpu_type=gpu_type, target=target, draft=draft, dtype=resolve_dtype(mc.dtype, mc.device), latency=grid, acceptance=acceptance,
+    return Profile(
+        gpu_type=gpu_type, target=target, draft=draft, dtype=dtype, latency=grid, acceptance=acceptance,
         acceptance_rate=round(fit_acceptance_rate(acceptance), 4), best_k=best_k_table(grid, acceptance),
         machine=socket.gethostname(),
         notes=(f"specserve profile: greedy; latency: {reps} rounds after a warm-up round, fresh requests each round "
@@ -231,12 +241,9 @@ def run_profile(mc: ModelConfig, out: str | None, batch_sizes: list[int], max_k:
                "the second recorded (median over rounds); chunked prefill: "
                f"{grid.chunk_prompt_tokens}-token and whole-chunk prompts ({grid.chunk_budget}-token step budget) "
                "beside each batch decoding at k = 0; torch threads "
-               f"{torch.get_num_threads()}, device {mc.device}; acceptance at k={max_k} over {num_prompts} "
+               f"{torch.get_num_threads()}, device {device}; acceptance at k={max_k} over {num_prompts} "
                f"PROFILE_PROMPTS x {max_tokens} tokens"),
     )
-    save_profile(profile, out_path)
-    plot_profile(profile, out_path.with_suffix(".png"))
-    return profile, out_path
 
 
 def plot_profile(profile: Profile, path: str | Path) -> None:
