@@ -26,6 +26,7 @@ flash-attn kernels; its allocator is tied to its own scheduler's request objects
 from __future__ import annotations
 
 import hashlib
+import logging
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -294,13 +295,21 @@ AttentionInterface.register(ATTENTION, paged_attention)
 
 
 # ---- pool size from device memory --------------------------------------------------------------
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """Bytes one token's keys and values take over all layers of a model with this (HF) config."""
+def kv_bytes_per_token(config, dtype: torch.dtype, layers: int | None = None) -> int:
+    """Bytes one token's keys and values take over the attention layers of a model with this (HF) config.
+    layers: those the model really runs (a draft of a target's first layers keeps the target's config); None:
+    the config's num_hidden_layers."""
     text = getattr(config, "text_config", None) or config
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return 2 * text.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    layers = layers or text.num_hidden_layers
+    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def attention_layers(model) -> int:
+    """Attention modules that write the KV cache (each has its `layer_idx`), 0 if none is found."""
+    return len({m.layer_idx for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")})
 
 
 def kv_pool_tokens(total: int, used: int, utilization: float, share: float, per_token: int) -> int:
@@ -321,8 +330,12 @@ def cuda_memory(model, probe_tokens: int) -> tuple[int, int]:
     device = next(model.parameters()).device
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    with torch.no_grad():
-        model(input_ids=torch.zeros((1, probe_tokens), dtype=torch.long, device=device), use_cache=False)
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.zeros((1, probe_tokens), dtype=torch.long, device=device), use_cache=False)
+    except Exception as e:  # a draft that is no causal LM on its own (an EAGLE-3 head reads the target's
+        # features): its weights are what it holds; its activations are a layer's, small beside the target's
+        logging.getLogger(__name__).info("KV sizing: no profiling forward for %s (%s)", type(model).__name__, e)
     torch.cuda.synchronize(device)
     _, total = torch.cuda.mem_get_info(device)
     return torch.cuda.max_memory_allocated(device), total

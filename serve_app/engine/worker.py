@@ -33,7 +33,8 @@ from serve_app.engine.controls import Controls, has_controls
 from serve_app.engine.draftplan import DraftPlan, PlanWalk
 from serve_app.engine.grammar import Guide
 from serve_app.engine import attention
-from serve_app.engine.kv import ATTENTION, PagedKV, cuda_memory, kv_bytes_per_token, kv_pool_tokens, pack
+from serve_app.engine.kv import (ATTENTION, PagedKV, attention_layers, cuda_memory, kv_bytes_per_token, kv_pool_tokens,
+                                pack)
 from serve_app.engine.lookup import LOOKUP_MIN_N, CopyRecord, NgramIndex
 from serve_app.engine.sampling import TOP_N, Warp, draft_choice, logprob_top, noise_key, verify_walk
 
@@ -174,7 +175,8 @@ class ModelWorker:
                 return None
             memory = cuda_memory
         used, total = memory(self.model, probe_tokens)
-        return kv_pool_tokens(total, used, utilization, share, kv_bytes_per_token(self.model.config, next(self.model.parameters()).dtype))
+        per_token = kv_bytes_per_token(self.model.config, next(self.model.parameters()).dtype, attention_layers(self.model))
+        return kv_pool_tokens(total, used, utilization, share, per_token)
 
     def shares_prefixes(self) -> bool:
         """Whether this worker may take cached blocks for a new prompt. A target that hands its features to
