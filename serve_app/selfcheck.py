@@ -266,16 +266,8 @@ def check_attention(ctx: Context):
     from serve_app.engine import attention
 
     cases = [[(30, 5), (3, 2), (47, 4), (16, 1)], [(0, 37), (16, 20), (40, 3)], [(32, 1), (40, 1), (70, 1)]]
-    worst = {}
-    for b in attention.BACKENDS:
-        for i, spec in enumerate(cases):
-            q, kp, vp, rows, pos, bs, nblk = attention.random_batch(spec, seed=i, shared_prefix_blocks=i % 2)
-            args = [t.to(ctx.cfg.device) for t in (q, kp, vp)]
-            want = attention.attend("gather", *args, [g.to(ctx.cfg.device) for g in attention.layout("gather", rows, pos, bs, nblk)], None)
-            lay = attention.layout(b, rows, pos, bs, nblk)
-            lay = lay.to(ctx.cfg.device) if b == "flex" else [g.to(ctx.cfg.device) for g in lay]
-            got = attention.attend(b, *args, lay, None)
-            worst[b] = max(worst.get(b, 0.0), (got - want).abs().max().item())
+    worst = {b: max(attention.probe(b, ctx.cfg.device, seed=i, rows_spec=spec, shared_prefix_blocks=i % 2)
+                    for i, spec in enumerate(cases)) for b in attention.BACKENDS}
     bad = {b: e for b, e in worst.items() if e > 1e-4}
     if bad:
         return False, f"backends differ from gather (float32): {bad}", {"max_abs_diff": worst}

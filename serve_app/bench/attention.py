@@ -44,8 +44,7 @@ def run_case(rows: int, context: int, fed: int, shape: str, device: str, dtype: 
     sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
     fns, out, compile_s = {}, {}, {}
     for b in backends:
-        lay = attention.layout(b, rws, pos, bs, nblk)
-        lay = lay.to(device) if b == "flex" else [g.to(device) for g in lay]
+        lay = attention.move(attention.layout(b, rws, pos, bs, nblk), device)
         fns[b] = lambda b=b, lay=lay: attention.attend(b, q, kp, vp, lay, None)
         compile_s[b] = _timed(lambda b=b: out.__setitem__(b, fns[b]()), sync)  # first call: compiles flex
     times = {b: [] for b in backends}

@@ -59,16 +59,19 @@ class Row:
 class Group:
     """Rows attended together: queries q_index [B, T] into the packed tokens (pads repeat a real one),
     keys kv_slots [B, L] into the pool (pads: the trash block), mask [B, 1, T, L] (a query sees keys
-    at positions <= its own); None: one row whose keys are exactly its queries, plain causal."""
+    at positions <= its own); None: one row whose keys are exactly its queries, plain causal. The real
+    (unpadded) queries: valid [N] their places in the flattened [B * T] output, at [N] their packed tokens
+    (long indices made on the host: a boolean mask would be read back from the device at every layer)."""
 
     q_index: torch.Tensor
-    q_valid: torch.Tensor
+    valid: torch.Tensor
+    at: torch.Tensor
     kv_slots: torch.Tensor
     mask: torch.Tensor | None
 
     def to(self, device) -> "Group":
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return Group(move(self.q_index), move(self.q_valid), move(self.kv_slots), move(self.mask))
+        return Group(move(self.q_index), move(self.valid), move(self.at), move(self.kv_slots), move(self.mask))
 
 
 def gather_layout(rows: list[Row], pos: torch.Tensor, block_size: int) -> list[Group]:  # pos [T]
@@ -92,7 +95,8 @@ def _group(rows: list[Row], pos: torch.Tensor, bs: int) -> Group:
     length = max(r.start + r.n for r in rows)
     col = torch.arange(width)
     q_index = torch.stack([r.offset + torch.clamp(col - (width - r.n), min=0) for r in rows])  # [B, T]
-    q_valid = torch.stack([col >= width - r.n for r in rows])
+    valid = torch.tensor([b * width + c for b, r in enumerate(rows) for c in range(width - r.n, width)])
+    at = q_index.flatten()[valid]
     nblk = -(-length // bs)
     tables = torch.full((len(rows), nblk), TRASH, dtype=torch.long)
     for b, r in enumerate(rows):
@@ -100,10 +104,10 @@ def _group(rows: list[Row], pos: torch.Tensor, bs: int) -> Group:
         tables[b, : len(t)] = torch.tensor(t, dtype=torch.long)
     kv_slots = (tables[:, :, None] * bs + torch.arange(bs)).reshape(len(rows), -1)[:, :length]  # [B, L]
     if len(rows) == 1 and rows[0].start == 0:  # a prompt's first chunk: keys = its queries, plain causal
-        return Group(q_index, q_valid, kv_slots, None)
+        return Group(q_index, valid, at, kv_slots, None)
     qpos = pos[q_index]  # [B, T]
     mask = torch.arange(length)[None, None, :] <= qpos[:, :, None]
-    return Group(q_index, q_valid, kv_slots, mask[:, None])
+    return Group(q_index, valid, at, kv_slots, mask[:, None])
 
 
 def gather_attend(q, k_pool, v_pool, groups: list[Group], scaling) -> torch.Tensor:
@@ -116,7 +120,7 @@ def gather_attend(q, k_pool, v_pool, groups: list[Group], scaling) -> torch.Tens
         vg = v_pool[g.kv_slots].transpose(1, 2)
         o = torch.nn.functional.scaled_dot_product_attention(
             qg, kg, vg, attn_mask=g.mask, is_causal=g.mask is None, scale=scaling, enable_gqa=gqa)
-        out[g.q_index[g.q_valid]] = o.transpose(1, 2)[g.q_valid]
+        out[g.at] = o.transpose(1, 2).flatten(0, 1)[g.valid]  # [N, H, D]
     return out
 
 
@@ -151,12 +155,11 @@ class FlexLayout:
             from torch.nn.attention.flex_attention import BlockMask
 
             bs, tables, block_pos, q_pos, q_row = self.block_size, self.tables, self.block_pos, self.q_pos, self.q_row
-            last = tables.shape[1] - 1
 
             def mask_mod(b, h, qi, ki):  # a key is seen by a query of the row holding its block, at or before it
                 blk = ki // bs
-                j = block_pos[blk]
-                return (tables[q_row[qi], torch.clamp(j, max=last)] == blk) & (j <= last) & (j * bs + ki % bs <= q_pos[qi])
+                j = block_pos[blk]  # < tables' width: block_pos holds only this forward's table indices
+                return (tables[q_row[qi], j] == blk) & (j * bs + ki % bs <= q_pos[qi])
 
             tiles, width = self.tile_tables.shape
             kv_idx = torch.zeros((tiles, self.pool_blocks), dtype=torch.int32, device=self.tile_tables.device)
@@ -168,18 +171,18 @@ class FlexLayout:
 
 def flex_layout(rows: list[Row], pos: torch.Tensor, block_size: int, pool_blocks: int) -> FlexLayout:
     bs = block_size
-    pad_index, q_pos, q_row, tile_blocks = [], [], [], []
+    pad_index, real, q_pos, q_row, tile_blocks = [], [], [], [], []
+    padded = 0  # padded queries so far
     for i, r in enumerate(rows):
         tiles = -(-r.n // TILE)
         cols = torch.arange(tiles * TILE)
+        real.append(padded + cols[: r.n])
+        padded += tiles * TILE
         pad_index.append(r.offset + torch.clamp(cols, max=r.n - 1))
         q_pos.append(r.start + torch.clamp(cols, max=r.n - 1))
         q_row.append(torch.full((tiles * TILE,), i))
         for t in range(tiles):  # a tile reads its row's blocks up to its last query's position
             tile_blocks.append(r.table[: (r.start + min(r.n, (t + 1) * TILE) - 1) // bs + 1])
-    sizes = torch.tensor([len(p) for p in pad_index])
-    starts = torch.cumsum(sizes, 0) - sizes
-    real_t = torch.cat([s + torch.arange(r.n) for s, r in zip(starts.tolist(), rows)])
     width = max(len(r.table) for r in rows)
     tables = torch.full((len(rows), width), TRASH, dtype=torch.long)
     block_pos = torch.zeros(pool_blocks, dtype=torch.long)
@@ -191,7 +194,7 @@ def flex_layout(rows: list[Row], pos: torch.Tensor, block_size: int, pool_blocks
     tile_tables = torch.zeros(len(tile_blocks), max(len(b) for b in tile_blocks), dtype=torch.int32)
     for t, b in enumerate(tile_blocks):
         tile_tables[t, : len(b)] = torch.tensor(b, dtype=torch.int32)
-    return FlexLayout(torch.cat(pad_index), real_t, torch.cat(q_pos), torch.cat(q_row), tables, block_pos,
+    return FlexLayout(torch.cat(pad_index), torch.cat(real), torch.cat(q_pos), torch.cat(q_row), tables, block_pos,
                       kv_num, tile_tables, bs, pool_blocks)
 
 
@@ -238,6 +241,11 @@ def layout(backend: str, rows: list[Row], pos: torch.Tensor, block_size: int, po
     return gather_layout(rows, pos, block_size)
 
 
+def move(lay, device):
+    """A layout (`layout`'s result: flex's FlexLayout or gather's groups) on `device`."""
+    return lay.to(device) if isinstance(lay, FlexLayout) else [g.to(device) for g in lay]
+
+
 def attend(backend: str, q, k_pool, v_pool, lay, scaling) -> torch.Tensor:
     # q [T, H, D]; k_pool, v_pool [slots, kv_heads, D] -> [T, H, D]
     if backend == "flex":
@@ -266,15 +274,19 @@ def choose(name: str, device, block_size: int = 16) -> str:
     return "flex"
 
 
-def probe(backend: str, device, dtype=torch.float32, seed: int = 0, block_size: int = 16) -> float:
-    """Largest difference between `backend` and gather on a small random batch (GQA, a prefill chunk,
-    ragged decoding rows over shuffled blocks) on `device`."""
-    q, kp, vp, rows, pos, bs, nblk = random_batch([(0, 40), (35, 3), (70, 1), (18, 5)], seed=seed,
-                                                  block_size=block_size)
+PROBE_ROWS = [(0, 40), (35, 3), (70, 1), (18, 5)]
+"""The startup probe's batch as (start, fed tokens) per row: a prefill chunk and ragged decoding rows."""
+
+
+def probe(backend: str, device, dtype=torch.float32, seed: int = 0, block_size: int = 16,
+          rows_spec: list[tuple[int, int]] = PROBE_ROWS, shared_prefix_blocks: int = 0) -> float:
+    """Largest difference between `backend` and gather on `device` on a random batch (`random_batch`: GQA,
+    blocks shuffled over the pool)."""
+    q, kp, vp, rows, pos, bs, nblk = random_batch(rows_spec, seed=seed, block_size=block_size,
+                                                  shared_prefix_blocks=shared_prefix_blocks)
     args = [t.to(device, dtype) for t in (q, kp, vp)]
-    want = attend("gather", *args, layout("gather", rows, pos, bs, nblk), None)
-    lay = layout(backend, rows, pos, bs, nblk)
-    got = attend(backend, *args, lay.to(device) if backend == "flex" else [g.to(device) for g in lay], None)
+    want = attend("gather", *args, move(layout("gather", rows, pos, bs, nblk), device), None)
+    got = attend(backend, *args, move(layout(backend, rows, pos, bs, nblk), device), None)
     return (got.float() - want.float()).abs().max().item()
 
 
@@ -290,8 +302,8 @@ def random_batch(rows_spec: list[tuple[int, int]], heads: int = 8, kv_heads: int
     perm = (torch.randperm(nblk - 1, generator=g) + 1).tolist()
     shared = perm[:shared_prefix_blocks]
     rows, pos, offset, taken = [], [], 0, shared_prefix_blocks
-    for s, n in rows_spec:
-        own = need[rows_spec.index((s, n))] - len(shared)
+    for (s, n), blocks in zip(rows_spec, need):
+        own = blocks - len(shared)
         table = shared + perm[taken: taken + max(own, 0)]
         taken += max(own, 0)
         rows.append(Row(offset, n, s, table))

@@ -246,8 +246,8 @@ class PackedBatch:
 
     def on(self, device) -> "PackedBatch":
         if device not in self._on:
-            lay = self.layout.to(device) if hasattr(self.layout, "to") else [g.to(device) for g in self.layout]
-            self._on[device] = PackedBatch(self.slots.to(device, non_blocking=True), lay, self.cache, {})
+            self._on[device] = PackedBatch(self.slots.to(device, non_blocking=True), attention.move(self.layout, device),
+                                           self.cache, {})
         return self._on[device]
 
 

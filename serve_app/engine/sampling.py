@@ -167,6 +167,11 @@ def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:  # 
     return choice
 
 
+def _index(rows: list[int], device) -> torch.Tensor:  # [R] long
+    """Row positions partitioned on the host, as an index on the device (a host-to-device copy, never a read back)."""
+    return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+
+
 # ---- warping ------------------------------------------------------------------------------------
 @dataclass
 class Warp:
@@ -176,8 +181,8 @@ class Warp:
     top_k: torch.Tensor  # [N] long, 0 = off
     top_p: torch.Tensor  # [N] float32, 1.0 = off
     min_p: torch.Tensor | None = None  # [N] float32, 0 = off; None: off for every row
-    host: tuple[list[bool], list[bool]] | None = None  # per row (scaled, cut) on the host, so warping decides
-    #                                                    which rows to touch without reading the device
+    host: tuple[list[bool], list[bool], list[int]] | None = None  # per row (scaled, cut, top_k) on the host,
+    #                                   so warping decides which rows to touch, and how wide, without reading the device
 
     @classmethod
     def of(cls, params: list, device) -> "Warp":
@@ -188,7 +193,7 @@ class Warp:
                    torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
                    torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
                    torch.tensor(min_p, dtype=torch.float32, device=device) if any(min_p) else None,
-                   ([t != 1.0 for t in temps], [p.top_k > 0 or p.top_p < 1.0 for p in params]))
+                   ([t != 1.0 for t in temps], [p.top_k > 0 or p.top_p < 1.0 for p in params], [p.top_k for p in params]))
 
     def rows(self, index: torch.Tensor, host_index: list[int] | None = None) -> "Warp":
         """The settings of rows `index` (host_index: the same rows as a host list, which keeps `host`)."""
@@ -203,8 +208,10 @@ def warp_(logits: torch.Tensor, w: Warp) -> torch.Tensor:  # [N, V] float32, cha
     the mass strictly before it is below top_p; the first always stays), on a float32 tensor the caller
     owns. Dropped tokens get -inf, so softmax of the result is the distribution a request samples
     from. A token tied with the last kept one is kept too (the cut is a threshold on the logit)."""
+    top_k = None  # the cut rows' top_k on the host, where known
     if w.host is not None:  # decided on the host
         scaled, cut_rows = any(w.host[0]), [i for i, c in enumerate(w.host[1]) if c]
+        top_k = [w.host[2][i] for i in cut_rows]
     else:
         scaled = bool((w.temperature != 1.0).any())
         cut_rows = ((w.top_k > 0) | (w.top_p < 1.0)).nonzero().squeeze(1).tolist()
@@ -213,10 +220,10 @@ def warp_(logits: torch.Tensor, w: Warp) -> torch.Tensor:  # [N, V] float32, cha
     if w.min_p is not None:
         _min_p_(logits, w.min_p)
     if len(cut_rows) == logits.shape[0]:
-        logits.copy_(_truncate(logits, w.top_k, w.top_p))
+        logits.copy_(_truncate(logits, w.top_k, w.top_p, top_k))
     elif cut_rows:
-        rows = torch.tensor(cut_rows).to(logits.device, non_blocking=True)
-        logits[rows] = _truncate(logits[rows], w.top_k[rows], w.top_p[rows])
+        rows = _index(cut_rows, logits.device)
+        logits[rows] = _truncate(logits[rows], w.top_k[rows], w.top_p[rows], top_k)
     return logits
 
 
@@ -228,13 +235,19 @@ def _min_p_(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:  # [R, V] sca
     return x.masked_fill_(x < floor[:, None], float("-inf"))
 
 
-def _truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:  # [R, V]
+def _truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+              top_k_host: list[int] | None = None) -> torch.Tensor:  # [R, V]
     """Apply top-k / top-p to rows of scaled logits from a top-`width` pass; a row whose nucleus may
-    reach past the candidates is redone wider (8x, up to the whole vocabulary)."""
+    reach past the candidates is redone wider (8x, up to the whole vocabulary). top_k_host: top_k on the
+    host, where the caller knows it (the first width is then chosen without reading the device)."""
     vocab = x.shape[-1]
     k_eff = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))  # [R]
     total = torch.logsumexp(x, dim=-1, keepdim=True)  # [R, 1], the normalizer when top-k is off
-    width = min(vocab, max(64, int(k_eff.max()) if bool((top_k > 0).all()) else 64))
+    if top_k_host is not None:
+        widest, all_k = max(min(k, vocab) if k > 0 else vocab for k in top_k_host), all(k > 0 for k in top_k_host)
+    else:
+        widest, all_k = torch.stack([k_eff.max(), (top_k > 0).all().long()]).tolist()  # one read, not two
+    width = min(vocab, max(64, widest) if all_k else 64)
     threshold = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
     todo = torch.arange(x.shape[0], device=x.device)
     while len(todo):
@@ -249,9 +262,14 @@ def _truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torc
         probs = (vals - norm).exp().masked_fill(~in_k, 0.0)
         keep = in_k & (probs.cumsum(dim=-1) - probs < top_p[todo, None])
         kept = keep.sum(dim=-1)  # [T] >= 1
-        done = within | ((kept < width) & (k_eff[todo] == vocab))
-        threshold[todo[done]] = vals[done].gather(1, (kept[done] - 1)[:, None]).squeeze(1)
-        todo = todo[~done]
+        if width == vocab:  # the whole vocabulary: every row is done, nothing to read back
+            threshold[todo] = vals.gather(1, (kept - 1)[:, None]).squeeze(1)
+            break
+        done = (within | ((kept < width) & (k_eff[todo] == vocab))).tolist()  # the loop's one read
+        fin = _index([i for i, d in enumerate(done) if d], x.device)
+        if len(fin):
+            threshold[todo[fin]] = vals[fin].gather(1, (kept[fin] - 1)[:, None]).squeeze(1)
+        todo = todo[_index([i for i, d in enumerate(done) if not d], x.device)]
         width = min(vocab, width * 8)
     return x.masked_fill_(x < threshold[:, None], float("-inf"))
 
@@ -277,14 +295,15 @@ def draft_choice(
         return logits.max(dim=-1).indices, None, None
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=dev)
     if g:
-        gi = torch.tensor(g).to(dev, non_blocking=True)
+        gi = _index(g, dev)
         tokens[gi] = logits.index_select(0, gi).max(dim=-1).indices
     n = min(top_n, logits.shape[-1])
     seeded = [i for i, (x, y) in enumerate(zip(*kind)) if y and not x]
     if seeded:  # the coupled choice over the draft's whole warped row, as the target makes it
-        rows = torch.tensor(seeded).to(dev, non_blocking=True)
+        rows = _index(seeded, dev)
         tokens[rows] = gumbel_argmax(warp_(_own_float(logits, rows), w.rows(rows, seeded)), keys[rows])
-    plain = torch.tensor([i for i, (x, y) in enumerate(zip(*kind)) if not x and not y], dtype=torch.long).to(dev, non_blocking=True)
+    plain_rows = [i for i, (x, y) in enumerate(zip(*kind)) if not x and not y]
+    plain = _index(plain_rows, dev)
     values = torch.zeros((logits.shape[0], n), dtype=torch.float32, device=logits.device)
     support = torch.zeros((logits.shape[0], n), dtype=torch.int32, device=logits.device)
     if not len(plain):
@@ -296,7 +315,8 @@ def draft_choice(
     vals = vals.float() / w.temperature[plain, None]
     if w.min_p is not None:  # the top-n hold the row's maximum, so min-p cuts them as it would the row
         _min_p_(vals, w.min_p[plain])
-    q = _truncate(vals, w.top_k[plain], w.top_p[plain]).softmax(dim=-1)  # [R, n]
+    top_k = None if w.host is None else [w.host[2][i] for i in plain_rows]
+    q = _truncate(vals, w.top_k[plain], w.top_p[plain], top_k).softmax(dim=-1)  # [R, n]
     tokens[plain] = ids.gather(1, sample(q, u[plain])[:, None]).squeeze(1)
     values[plain], support[plain] = q, ids.int()
     return tokens, values, support
@@ -345,7 +365,7 @@ def verify_walk(
         logits_at = logits
 
     def at(idx: list[int]) -> torch.Tensor:
-        return torch.tensor(idx, dtype=torch.long).to(dev, non_blocking=True)
+        return _index(idx, dev)
 
     for j in range(k + 1):
         if not live:
@@ -393,9 +413,15 @@ def verify_walk(
             by_choice = at([i for i, b in enumerate(live) if (is_greedy[b] or is_seeded[b]) and drafted_to[b] > j])
             if len(by_choice):
                 accepted[by_choice] = token[by_choice] == drafts[active[by_choice], j]
-        next_tok[active[~accepted]] = token[~accepted]
-        num_acc[active[accepted]] += 1
-        live = [b for b, a in zip(live, accepted.tolist()) if a]
+        # which rows accepted: read once, then indexed from the host (a boolean mask would read it again)
+        acc = accepted.tolist()
+        stop = at([i for i, a in enumerate(acc) if not a])
+        if len(stop):
+            next_tok[active[stop]] = token[stop]
+        go = [i for i, a in enumerate(acc) if a]
+        if go:
+            num_acc[active[at(go)]] += 1
+        live = [live[i] for i in go]
     return num_acc, next_tok
 
 
