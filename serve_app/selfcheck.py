@@ -290,7 +290,7 @@ def check_syncs(ctx: Context):
     a mix of greedy, seeded and sampled rows, k = 4: within the engine's budget, and not growing per row."""
     from serve_app.engine.policy import FixedK
     from serve_app.engine.scheduler import Engine
-    from serve_app.engine.syncs import STEP_BUDGET_PER_POSITION, SyncCounter
+    from serve_app.engine.syncs import STEP_BUDGET_PER_POSITION, reads_per_step
     from serve_app.engine.worker import ModelWorker
     from serve_app.drafting import draft_worker
 
@@ -299,15 +299,8 @@ def check_syncs(ctx: Context):
     for batch in (4, 16):
         engine = Engine(ModelWorker(target, "target", tok.pad_token_id or 0), draft_worker(draft, tok.pad_token_id or 0),
                         tok, EngineConfig(policy=f"fixed:{k}", max_batch_size=batch, max_k=k), FixedK(k))
-        kinds = [dict(temperature=0.0), dict(temperature=1.0, seed=7), dict(temperature=0.8, top_p=0.9)]
-        for i, p in enumerate(random_prompts(batch, 12, SHAPES[ctx.cfg.shape].vocab_size, seed=batch)):
-            engine.submit(p, SamplingParams(max_tokens=64, ignore_eos=True, **kinds[i % 3]))
-        while engine.waiting or engine.prefilling:
-            engine.step()
-        with SyncCounter(ctx.cfg.device) as c:
-            for _ in range(4):
-                engine.step()
-        per[batch] = c.total / 4
+        prompts = random_prompts(batch, 12, SHAPES[ctx.cfg.shape].vocab_size, seed=batch)
+        per[batch] = reads_per_step(engine, prompts, max_tokens=64, device=ctx.cfg.device)
     budget = STEP_BUDGET_PER_POSITION * (k + 1)
     ok = max(per.values()) <= budget
     return ok, f"host reads per step at k = {k}: batch 4 {per[4]:.1f}, batch 16 {per[16]:.1f} (budget {budget})", \

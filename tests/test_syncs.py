@@ -3,27 +3,19 @@
 import pytest
 
 from conftest import make_tokenizer
-from serve_app.config import EngineConfig, SamplingParams
+from serve_app.config import EngineConfig
+from serve_app.engine import syncs
 from serve_app.engine.policy import FixedK
 from serve_app.engine.scheduler import Engine
-from serve_app.engine.syncs import STEP_BUDGET_PER_POSITION, SyncCounter
+from serve_app.engine.syncs import STEP_BUDGET_PER_POSITION
 from serve_app.engine.worker import ModelWorker
 
 
-def reads_per_step(target, draft, batch: int, k: int, steps: int = 4) -> float:
+def reads_per_step(target, draft, batch: int, k: int) -> float:
     """Host reads per engine step, in steady decoding, over a batch mixing greedy, seeded and sampled rows."""
     cfg = EngineConfig(policy=f"fixed:{k}", max_batch_size=batch, max_k=max(k, 1))
     engine = Engine(ModelWorker(target, "target"), ModelWorker(draft, "draft") if k else None, make_tokenizer(), cfg, FixedK(k))
-    kinds = [dict(temperature=0.0), dict(temperature=1.0, seed=7), dict(temperature=0.8, top_p=0.9)]
-    for i in range(batch):
-        engine.submit(list(range(3, 9 + i)), SamplingParams(max_tokens=40, ignore_eos=True, **kinds[i % 3]))
-    while engine.waiting or engine.prefilling:  # all admitted and prefilled: steady decoding
-        engine.step()
-    engine.step()
-    with SyncCounter() as c:
-        for _ in range(steps):
-            engine.step()
-    return c.total / steps
+    return syncs.reads_per_step(engine, [list(range(3, 9 + i)) for i in range(batch)], max_tokens=40)
 
 
 @pytest.mark.parametrize("k", [0, 4])

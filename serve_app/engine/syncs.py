@@ -42,3 +42,23 @@ class SyncCounter(TorchFunctionMode):
     @property
     def total(self) -> int:
         return sum(self.sites.values())
+
+
+MIXED = ({"temperature": 0.0}, {"temperature": 1.0, "seed": 7}, {"temperature": 0.8, "top_p": 0.9})
+"""The row kinds the budget is measured over, in turn: greedy, seeded (the coupled sampler), sampled with top-p."""
+
+
+def reads_per_step(engine, prompts: list[list[int]], max_tokens: int, device="cpu", steps: int = 4) -> float:
+    """Host reads per engine step in steady decoding: `prompts` submitted as MIXED kinds in turn, run until all
+    are admitted and prefilled (and one step more), then `steps` steps counted."""
+    from serve_app.config import SamplingParams
+
+    for i, p in enumerate(prompts):
+        engine.submit(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **MIXED[i % len(MIXED)]))
+    while engine.waiting or engine.prefilling:
+        engine.step()
+    engine.step()
+    with SyncCounter(device) as c:
+        for _ in range(steps):
+            engine.step()
+    return c.total / steps
