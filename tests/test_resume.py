@@ -16,7 +16,8 @@ from serve_app.config import SamplingParams
 
 
 def failing(engine, method: str, fail_on: set[int], message: str = "actor 0xdeadbeef on 10.1.2.3 died"):
-    """Make the target's `method` raise on the given call numbers (1-based); returns the call counter."""
+    """Make the target's `method` raise on the given call numbers (1-based), as a crashed actor would: each
+    crash its own (another actor each time, so the engine retries them); returns the call counter."""
     worker = engine.target if method in ("verify",) else engine.draft
     real = getattr(worker, method)
     calls = {"n": 0}
@@ -24,7 +25,7 @@ def failing(engine, method: str, fail_on: set[int], message: str = "actor 0xdead
     def call(*args):
         calls["n"] += 1
         if calls["n"] in fail_on:
-            raise RuntimeError(message)
+            raise RuntimeError(f"{message} (crash {calls['n']})")
         return real(*args)
 
     setattr(worker, method, call)
@@ -81,6 +82,26 @@ def test_more_failures_than_max_resumes_end_with_a_clean_error(tiny_target, tiny
     engine.target.verify = type(engine.target).verify.__get__(engine.target)  # healthy again: serves
     [again] = run_all(engine, PROMPTS[:1], max_tokens=20)
     assert sum((o.token_ids for o in again), []) == ref20[0]
+
+
+def test_an_error_that_repeats_on_the_same_batch_fails_fast_naming_it(tiny_target, tiny_drafts, ref20):
+    """A fault in the code (or the request) fails the same way on repaired workers: the second identical error
+    ends the request with that error in its message, not a third try into it."""
+    engine = make_engine(tiny_target, tiny_drafts["near"], "fixed:2", max_resumes=5)
+    real, calls = engine.draft.propose, {"n": 0}
+
+    def propose(*args):
+        calls["n"] += 1
+        if calls["n"] >= 2:
+            raise TypeError("expected Tensor as element 1 in argument 0, but got NoneType")
+        return real(*args)
+
+    engine.draft.propose = propose
+    [outs] = run_all(engine, PROMPTS[:1], max_tokens=20)
+    final = outs[-1]
+    assert final.finish_reason == "error" and final.stats.resumes == 1 and calls["n"] == 3
+    assert "same error" in final.error and "TypeError: expected Tensor as element 1" in final.error
+    assert engine.running == [] and not engine.has_work()
 
 
 def test_seeded_sampled_request_resumes_to_the_uninterrupted_text(tiny_target, tiny_drafts):

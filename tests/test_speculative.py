@@ -96,6 +96,21 @@ def test_residual_changes_p_only_on_the_support():
     assert accept_rejection(torch.tensor([0.2]), torch.tensor([0.4]), torch.tensor([0.51])).tolist() == [False]
 
 
+@pytest.mark.parametrize("token", [0, 2])
+def test_residual_ignores_zero_padding_that_repeats_an_id(token):
+    """A copy's one-hot q widened to the step's N: its padding holds q = 0 at id 0, which may be the copied
+    token itself. The residual is still norm(max(0, p - q)), whichever write lands last."""
+    p = torch.tensor([[0.1, 0.4, 0.3, 0.2]])
+    lse = torch.logsumexp(p.log(), -1)
+    ids = torch.tensor([[token, 0, 0, 0]])
+    q = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    want = p.clone()
+    want[0, token] = 0
+    for order in ([0, 1, 2, 3], [3, 2, 1, 0]):
+        r = residual_logits_(p.log(), lse, q[:, order], ids[:, order])
+        assert torch.allclose(r.softmax(-1), want / want.sum(), atol=1e-6), (order, r.softmax(-1))
+
+
 @pytest.mark.parametrize("support", [5, 2])
 def test_rejection_sampling_reproduces_target_distribution(support):
     """Tokens emitted at each position follow p, not q, whatever the draft proposes (Leviathan et al.),

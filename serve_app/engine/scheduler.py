@@ -78,6 +78,7 @@ class Request:
     prompt_logprobs: list | None = None  # computed at first admission, sent with the first output
     prompt_logprobs_sent: bool = False
     predicted: PredictedOutput | None = None  # its predicted output (Predicted Outputs), drafted from
+    failure: str | None = None  # the error its last failed step raised (`failure_cause`)
 
     def context(self) -> list[int]:
         """What the workers hold for it: the prompt, plus what it generated before a resume."""
@@ -301,10 +302,12 @@ class Engine:
         room -= sum(len(t) for t in predicted.values())
         drafting = [b for b in range(len(ids)) if b not in predicted]
         draft_ids = [ids[b] for b in drafting]
+        st.contexts = tuple(r.context_len for r in self.running)
         proposal = Proposal.empty(len(draft_ids))
         if draft_ids and self.draft is not None:
             choice = self.policy.choose(BatchState(len(draft_ids), self.config.max_k, True, tuple(draft_ids),
-                                                   len(self.prefilling) + len(self.waiting)))
+                                                   len(self.prefilling) + len(self.waiting),
+                                                   tuple(st.contexts[b] for b in drafting)))
             choice = fit_choice(choice, self.config.max_k, room, len(draft_ids))
             if choice:
                 t = time.perf_counter()
@@ -533,16 +536,23 @@ class Engine:
                 r.queued_at = now
                 self.waiting.appendleft(r)
 
-    def resume_running(self) -> list[tuple[Request, RequestOutput]]:
+    def resume_running(self, cause: str | None = None) -> list[tuple[Request, RequestOutput]]:
         """After a failed step: requeue every unfinished running request for a resume, or end it
-        (503-style error) once it has been resumed `max_resumes` times. Returns the final outputs."""
+        (503-style error) once it has been resumed `max_resumes` times, or at once, naming the error,
+        when its last step failed with the same one (`cause`, from `failure_cause`): a fault in the code
+        or the request fails the same way on repaired workers, so retrying it only repeats the error.
+        Returns the final outputs."""
         outs, again = [], []
         for r in self.running + self.prefilling:
             if r.finished:  # its final output is among the failed step's outputs already
                 continue
             out = RequestOutput(r.id)
+            repeated, r.failure = cause is not None and r.failure == cause, cause
             if r.cancelled:
                 self._finish(r, out, "abort")
+            elif repeated:
+                self._finish(r, out, "error", f"the request failed twice with the same error on repaired "
+                                              f"workers, so it was not retried again: {cause}")
             elif r.stats.resumes >= self.config.max_resumes:
                 # No internals (actor ids, addresses) in what the client reads: the log has them.
                 self._finish(r, out, "error", f"the request failed {r.stats.resumes + 1} times because a model "
@@ -659,9 +669,9 @@ class Engine:
                 continue
             try:
                 outs = await asyncio.to_thread(self.step)
-            except Exception:  # never leave callers hanging on a failed step: resume them
+            except Exception as e:  # never leave callers hanging on a failed step: resume them
                 log.exception("engine step failed; resuming its requests on repaired workers")
-                outs = self._outs + self.resume_running()
+                outs = self._outs + self.resume_running(failure_cause(e))
                 self._repair_needed = True
             self._deliver(outs)
 
@@ -670,6 +680,19 @@ class Engine:
         for req, out in outs:
             if req.queue is not None:
                 req.queue.put_nowait(out)
+
+
+def failure_cause(e: BaseException) -> str | None:
+    """What a failed step raised, as its type and first line: the original error where Ray wraps one raised in
+    a worker actor (its own text carries actor ids and a traceback, which differ from try to try). None for
+    Ray's own errors (an actor died, a node left): those are what a repair mends, so they are retried."""
+    cause = getattr(e, "cause", None)
+    if not isinstance(cause, BaseException):
+        if type(e).__module__.split(".")[0] == "ray":
+            return None
+        cause = e
+    first = (str(cause).strip().splitlines() or [""])[0][:200]
+    return f"{type(cause).__name__}: {first}" if first else type(cause).__name__
 
 
 def split_rows(features, n: int) -> tuple:

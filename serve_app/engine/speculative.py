@@ -66,10 +66,18 @@ def residual_logits_(
 ) -> torch.Tensor:  # [S, V] logits of norm(max(0, p - q)), up to a constant per row
     """After a rejection the recovered token comes from norm(max(0, p - q)). q is zero off its support,
     so only its N entries change: their log(max(0, p - q)) + lse replaces the logit. A row with no
-    residual mass (p == q, where rejection had probability 0) keeps p."""
+    residual mass (p == q, where rejection had probability 0) keeps p.
+
+    Entries with q = 0 are padding (a copy's one-hot q widened to the step's N, a top-p cut inside the
+    top N) and may repeat an id that also holds q > 0: they leave their logit as it is, and where ids
+    repeat the smaller logit (the residual's: log(p - q) <= log p) wins, so no write order matters."""
     ids = q_ids.long()
-    p_s = (logits.gather(1, ids) - lse[:, None]).exp()
-    r = (p_s - q_values.to(p_s.dtype)).clamp_(min=0)
-    empty = r.sum(dim=1) + (1 - p_s.sum(dim=1)).clamp(min=0) <= 0  # residual mass: on and off the support
-    new = torch.where(empty[:, None], logits.gather(1, ids), r.log() + lse[:, None])
-    return logits.scatter_(1, ids, new)
+    q = q_values.to(logits.dtype)
+    held = q > 0
+    old = logits.gather(1, ids)
+    p_s = (old - lse[:, None]).exp()
+    r = (p_s - q).clamp_(min=0) * held
+    off = (1 - (p_s * held).sum(dim=1)).clamp(min=0)  # mass off q's support (duplicates not counted twice: q > 0 once)
+    empty = r.sum(dim=1) + off <= 0
+    new = torch.where(empty[:, None] | ~held, old, r.log() + lse[:, None])
+    return logits.scatter_reduce_(1, ids, new, reduce="amin")

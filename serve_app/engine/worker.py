@@ -813,6 +813,10 @@ class Drafting:
             return tok, q, ids, conf
         tok = tok.clone()
         tok[rows] = torch.tensor([self.copy[b][j] for b in rows])
+        if q is None and any(not self.seqs[b].params.greedy for b in rows):
+            # only greedy rows were drawn at this position (the sampled ones copy): a copying sampled row
+            # still needs its one-hot q
+            q, ids = torch.zeros((len(self.seqs), 1)), torch.zeros((len(self.seqs), 1), dtype=torch.int32)
         if q is not None:
             q, ids = q.clone(), ids.clone()
             q[rows] = 0.0
@@ -923,14 +927,26 @@ def _proposal(tokens: list, probs: list, support: list, rows: int, backlog: tupl
     plan's walk, the lengths it kept and each row's confidence at its drafted positions."""
     if not tokens or (walk is not None and not any(walk.lengths)):
         return Proposal.empty(rows)
-    if probs[0] is None:
+    if all(q is None for q in probs):
         out = Proposal(torch.stack(tokens, 1), backlog=backlog)
-    else:
-        out = Proposal(torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(support, 1), backlog)
+    else:  # positions whose drawn rows were all greedy carry no q: zeros, as greedy rows' q are
+        width = max(q.shape[1] for q in probs if q is not None)
+        out = Proposal(torch.stack(tokens, 1), _widened(probs, rows, width, torch.float32),
+                       _widened(support, rows, width, torch.int32), backlog)
     if walk is not None:
         out.lengths = list(walk.lengths)
         out.conf = [[c[b] for c in confs[:n]] for b, n in enumerate(walk.lengths)]
     out.lookup = lookup
+    return out
+
+
+def _widened(per_position: list, rows: int, width: int, dtype) -> torch.Tensor:  # k x ([B, n] | None) -> [B, k, width]
+    """Per-position q values (or their ids) stacked into one tensor: a position with none (its drawn rows were all
+    greedy) is zeros, and a narrower one (a copy's one-hot column) is padded with zeros, which no row reads."""
+    out = torch.zeros((rows, len(per_position), width), dtype=dtype)
+    for j, x in enumerate(per_position):
+        if x is not None:
+            out[:, j, : x.shape[1]] = x
     return out
 
 
