@@ -202,6 +202,20 @@ def _parser() -> argparse.ArgumentParser:
     ba.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/bench-attention-<hardware type>)")
     ba.set_defaults(func=_cmd_bench_attention)
 
+    bx = bsub.add_parser("context", help="the profile's context axis: draft and verification ms per (context, batch, k)")
+    _model_args(bx)
+    bx.add_argument("--random", default=None, help="SHAPE:LAYERS, a random Llama at that shape and depth with a "
+                                                   "truncated draft (e.g. llama-3.1-8b:32) instead of --target")
+    bx.add_argument("--draft-layers", type=int, default=2, help="with --random: the draft's layers (default 2)")
+    bx.add_argument("--contexts", default="64,512,2048", help="KV tokens per row to measure at (default %(default)s)")
+    bx.add_argument("--batch-sizes", default="1,8,32")
+    bx.add_argument("--ks", default="0,1,2,4")
+    bx.add_argument("--reps", type=int, default=3, help="visits per k (median)")
+    bx.add_argument("--deadline", type=float, default=None, help="seconds: cells not started by then stay empty")
+    bx.add_argument("--into", default=None, help="a profile JSON whose latency grid takes the measured context axis")
+    bx.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/bench-context-<hardware type>)")
+    bx.set_defaults(func=_cmd_bench_context)
+
     bw = bsub.add_parser("proposal-width", help="a sampled row's top-N draft proposal: exact acceptance against the "
                                                  "full distribution; the coupled sampler's noise against iid Gumbel")
     bw.add_argument("--prompts", type=int, default=16)
@@ -707,6 +721,25 @@ def _cmd_bench_attention(args) -> int:
     _write_bench(args, "attention", results, markdown)
     return 0 if all(b["max_abs_diff"] < (2e-2 if c["dtype"] == "float32" else 1e-1)
                     for c in results["cases"] for b in c["backends"].values()) else 1
+
+
+def _cmd_bench_context(args) -> int:
+    from serve_app.bench.context import bench_context, merge_into_profile, random_models
+    from serve_app.models import load_models
+
+    if args.random:
+        models, _ = random_models(args.random, args.draft_layers, args.device, args.dtype)
+        label = args.random
+    else:
+        models = load_models(_bench_model(args))
+        label = models.target_name
+    results, markdown = bench_context(models, int_list(args.batch_sizes, "--batch-sizes"), int_list(args.ks, "--ks"),
+                                      int_list(args.contexts, "--contexts"), args.reps, args.deadline, label)
+    _write_bench(args, "context", results, markdown)
+    if args.into:
+        merge_into_profile(args.into, results["grid"])
+        print(f"context axis added to {args.into}")
+    return 0
 
 
 def _cmd_bench_proposal_width(args) -> int:

@@ -183,7 +183,10 @@ def flex_layout(rows: list[Row], pos: torch.Tensor, block_size: int, pool_blocks
         q_row.append(torch.full((tiles * TILE,), i))
         for t in range(tiles):  # a tile reads its row's blocks up to its last query's position
             tile_blocks.append(r.table[: (r.start + min(r.n, (t + 1) * TILE) - 1) // bs + 1])
-    width = max(len(r.table) for r in rows)
+    # the tables' width in powers of two, at least 2: the compiled kernel's mask reads them, and a width that
+    # changes every step (or is 1, which torch.compile specializes) recompiles it until its recompile limit,
+    # after which flex_attention runs unfused (dense over the pool)
+    width = 1 << max(1, (max(len(r.table) for r in rows) - 1).bit_length())
     tables = torch.full((len(rows), width), TRASH, dtype=torch.long)
     block_pos = torch.zeros(pool_blocks, dtype=torch.long)
     for i, r in enumerate(rows):
@@ -212,6 +215,11 @@ def _flex_fn(device: torch.device):
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         return flex_attention
     if device.type not in _compiled:  # dynamic on CUDA: the number of queries changes every step
+        import torch._dynamo
+
+        # each batch shape's first sizes of 0 / 1 and each pool size compile once: past dynamo's default limit
+        # of 8, flex_attention would fall back to its unfused path (dense scores over the pool) for good
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         _compiled[device.type] = torch.compile(flex_attention, dynamic=device.type == "cuda")
     return _compiled[device.type]
 

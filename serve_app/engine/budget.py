@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from serve_app.engine.draftplan import CURVE_BINS, DraftPlan
 from serve_app.engine.stats import StepStats
-from serve_app.profiling.profiles import LatencyGrid, expected_tokens
+from serve_app.profiling.profiles import LatencyGrid, context_bucket, expected_tokens
 
 
 @dataclass(frozen=True)
@@ -71,11 +71,12 @@ def _forward_line(grid: LatencyGrid) -> tuple[float, float]:
     return max(fixed, 0.0), per_row
 
 
-def prices(grid: LatencyGrid, batch_size: int) -> Prices:
-    """The grid's prices at a batch size: the draft part grows with the forwards (k), the verification with
-    the tokens (batch x k); lines through k >= 1 smooth the cells' noise; k = 0 is the base. A forward over
-    fewer rows is priced by the line of forward prices against batch size (`_forward_line`)."""
-    draft, verify, other = grid.parts_at(batch_size)
+def prices(grid: LatencyGrid, batch_size: int, context: float | None = None) -> Prices:
+    """The grid's prices at a batch size (and a context, where the grid has a context axis): the draft part
+    grows with the forwards (k), the verification with the tokens (batch x k); lines through k >= 1 smooth
+    the cells' noise; k = 0 is the base. A forward over fewer rows is priced by the line of forward prices
+    against batch size (`_forward_line`), scaled to the context like the whole forward."""
+    draft, verify, other = grid.parts_at(batch_size, context)
     js = [j for j, k in enumerate(grid.ks) if k >= 1]
     base = draft[0] + verify[0] + other[0]
     if len(js) < 2:  # a grid with one k > 0: all of its extra is fixed
@@ -88,6 +89,11 @@ def prices(grid: LatencyGrid, batch_size: int) -> Prices:
     rest = sum(other[j] for j in js) / len(js)
     on = max(d0 + v0 + rest - base, 0.0)
     fixed, per_row = _forward_line(grid)
+    if context is not None and grid.context is not None:  # the forward line was fitted at the grid's own context
+        plain = grid.parts_at(batch_size)[0]
+        at_k = [draft[j] / plain[j] for j in js if plain[j] > 0]
+        scale = sum(at_k) / len(at_k) if at_k else 1.0
+        fixed, per_row = fixed * scale, per_row * scale
     return Prices(base, on, forward, token, fixed, per_row)
 
 
@@ -148,30 +154,31 @@ class Budget:
         # a copied token's confidence is its matched suffix's length: the prior is the bin's own value too
         self.lookup_curve = ConfidenceCurve()
         self.requests: dict[str, RequestRecord] = {}
-        self._prices: dict[int, Prices] = {}
+        self._prices: dict[tuple, Prices] = {}  # (batch size, context bucket) -> prices
         self._steps = 0
 
     @property
     def acceptance_estimate(self) -> float:
         return self.a / self.a_trials
 
-    def prices(self, batch_size: int) -> Prices:
-        p = self._prices.get(batch_size)
+    def prices(self, batch_size: int, context: float | None = None) -> Prices:
+        key = (batch_size, context_bucket(context))
+        p = self._prices.get(key)
         if p is None:
-            p = self._prices[batch_size] = prices(self.grid, batch_size)
+            p = self._prices[key] = prices(self.grid, batch_size, key[1])
         return p
 
-    def uniform(self, batch_size: int) -> tuple[int, float]:
-        """The best uniform k at this batch size with the live acceptance, and its tokens per ms (what a step
-        here is worth)."""
-        p, a = self.prices(batch_size), self.acceptance_estimate
+    def uniform(self, batch_size: int, context: float | None = None) -> tuple[int, float]:
+        """The best uniform k at this batch size (and context) with the live acceptance, and its tokens per ms
+        (what a step here is worth)."""
+        p, a = self.prices(batch_size, context), self.acceptance_estimate
         rates = {k: batch_size * expected_tokens(a, k) / p.step_ms(batch_size, k) for k in self.grid.ks}
         k = max(rates, key=lambda k: (rates[k], -k))
         return k, rates[k]
 
-    def rate(self, batch_size: int) -> float:
+    def rate(self, batch_size: int, context: float | None = None) -> float:
         """Tokens per ms a step at this batch size is worth: the best uniform k with the live acceptance."""
-        return self.uniform(batch_size)[1]
+        return self.uniform(batch_size, context)[1]
 
     def choose(self, state) -> int | DraftPlan:
         if not state.has_draft or state.max_k <= 0:
@@ -180,8 +187,9 @@ class Budget:
         ids = state.rows or tuple(f"#{i}" for i in range(b))
         self.requests = {rid: self.requests.get(rid) or RequestRecord() for rid in ids}
         recs = [self.requests[rid] for rid in ids]
-        p = self.prices(b)
-        k_uniform, rate = self.uniform(b)
+        context = state.context_for(self.grid)
+        p = self.prices(b, context)
+        k_uniform, rate = self.uniform(b, context)
         token_value = rate * p.token_ms
         # every probe_every-th step every row drafts at least one token, whatever the prices say: the curve
         # and the requests' records keep learning where they would otherwise never draft

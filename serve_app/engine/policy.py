@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from serve_app.profiling.profiles import LatencyGrid, expected_tokens
+from serve_app.profiling.profiles import LatencyGrid, best_k_table, context_bucket, expected_tokens
 from serve_app.engine.draftplan import DraftPlan
 from serve_app.engine.stats import StepStats
 
@@ -30,6 +30,16 @@ class BatchState:
     """The decoding rows' request ids, in the engine's order (per-row policies keep a record per request)."""
     waiting: int = 0
     """Requests queued or still prefilling: prompts that want a share of the step's token budget."""
+    contexts: tuple[int, ...] = ()
+    """KV tokens each decoding row attends (prompt + generated), in the rows' order: a profile with a context
+    axis prices the step at them (`context_for`)."""
+
+    def context_for(self, grid: LatencyGrid | None) -> float | None:
+        """The context this step is priced at under `grid`'s context axis (rows' mean or longest, by the
+        attention layout it measured); None without an axis or rows."""
+        if grid is None or grid.context is None or not self.contexts:
+            return None
+        return grid.context.context_of(list(self.contexts))
 
 
 class Policy(Protocol):
@@ -77,18 +87,39 @@ class LookupTable:
 
     name = "lut"
 
-    def __init__(self, best_k: dict[int, int]):
+    def __init__(self, best_k: dict[int, int], latency: LatencyGrid | None = None, acceptance: list[float] | None = None):
         if not best_k:
             raise ValueError("lut needs a profile with a best_k table")
         self.sizes = sorted(best_k)
         self.best_k = dict(best_k)
+        # with a context axis the table gains one: the best k per batch size at the live context, from the grid
+        self.latency = latency if latency is not None and latency.context is not None and acceptance else None
+        self.acceptance = acceptance
+        self._tables: dict[int, dict[int, int]] = {}  # context bucket -> best k per profiled batch size
+
+    def table(self, context: float | None) -> dict[int, int]:
+        """The best-k table at a context (the profile's own table without a context axis)."""
+        c = context_bucket(context)
+        if self.latency is None or c is None:
+            return self.best_k
+        if c not in self._tables:
+            self._tables[c] = best_k_table(self.latency, self.acceptance, c)
+        return self._tables[c]
+
+    def reprice(self, latency: LatencyGrid, acceptance: list[float]) -> None:
+        """A calibrated grid and the live acceptance: the table (and its context tables) again."""
+        self.best_k.update(best_k_table(latency, acceptance))
+        if self.latency is not None:
+            self.latency, self.acceptance = latency, acceptance
+            self._tables.clear()
 
     def choose(self, state: BatchState) -> int:
         if not state.has_draft:
             return 0
         b = state.batch_size
         nearest = min(self.sizes, key=lambda s: (abs(s - b), s))
-        return min(self.best_k[nearest], state.max_k)
+        table = self.table(state.context_for(self.latency))
+        return min(table.get(nearest, self.best_k[nearest]), state.max_k)
 
     def observe(self, stats: StepStats) -> None:
         pass
@@ -144,25 +175,26 @@ class Adaptive:
     def __init__(self, grid: LatencyGrid, acceptance_rate: float, half_life: float = 128.0, probe_every: int = 16):
         self.grid, self.probe_every = grid, probe_every
         self.estimate = AcceptanceEstimate(acceptance_rate, half_life)
-        self._step_ms: dict[int, list[float]] = {}  # batch size -> step latency per k (cache)
+        self._step_ms: dict[tuple, list[float]] = {}  # (batch size, context bucket) -> step latency per k (cache)
         self._since_probe = 0
 
     @property
     def acceptance_estimate(self) -> float:
         return self.estimate.value
 
-    def goodput(self, batch_size: int, max_k: int) -> list[float]:
-        """Expected tokens per millisecond for k = 0 .. min(max_k, profiled K)."""
-        ms = self._step_ms.get(batch_size)
+    def goodput(self, batch_size: int, max_k: int, context: float | None = None) -> list[float]:
+        """Expected tokens per millisecond for k = 0 .. min(max_k, profiled K), at `context` KV tokens per row."""
+        key = (batch_size, context_bucket(context))
+        ms = self._step_ms.get(key)
         if ms is None:
-            ms = self._step_ms[batch_size] = self.grid.step_ms(batch_size)
+            ms = self._step_ms[key] = self.grid.step_ms(batch_size, key[1])
         a = self.acceptance_estimate
         return [batch_size * expected_tokens(a, k) / ms[j] for j, k in enumerate(self.grid.ks) if k <= max_k]
 
     def choose(self, state: BatchState) -> int:
         if not state.has_draft:
             return 0
-        g = self.goodput(state.batch_size, state.max_k)
+        g = self.goodput(state.batch_size, state.max_k, state.context_for(self.grid))
         k = self.grid.ks[max(range(len(g)), key=lambda j: (g[j], -j))]  # ties: the smaller k
         if k == 0 and self.probe_every and state.max_k > 0:
             self._since_probe += 1
@@ -194,7 +226,7 @@ def make_policy(spec: str, profile=None) -> Policy:
         if profile is None:
             raise ValueError(f"policy {spec!r} needs a profile for this hardware type (see profiles/)")
         if spec == "lut":
-            return LookupTable(profile.best_k)
+            return LookupTable(profile.best_k, profile.latency, profile.acceptance)
         if profile.latency is None or profile.acceptance_rate is None:
             raise ValueError(f"policy {spec!r} needs a profile with a latency grid and an acceptance rate; "
                              f"the one for {profile.gpu_type} has only a best-k table (run `specserve profile`)")

@@ -76,6 +76,9 @@ class StepStats(Acceptance):
     """Seconds in everything else: scheduling, acceptance bookkeeping, detokenizing."""
     rows: RowOutcomes | None = None
     """Per row, with a per-row plan (k is then the longest row's drafted tokens, proposed their sum)."""
+    contexts: tuple[int, ...] = ()
+    """KV tokens each decoding row attended at the step's start (prompt + generated), in the batch's order:
+    calibration prices the step at them, so its factors measure the machine, not the context."""
 
     def to_dict(self) -> dict:
         return asdict(self)

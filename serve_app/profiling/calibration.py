@@ -64,18 +64,28 @@ class Calibration:
         # a per-row plan drafts st.k forwards but verifies fewer tokens: its verification and the rest are
         # priced at the mean drafted length, between the grid's k columns
         k_rows = st.proposed / st.batch_size if st.rows is not None else st.k
+        context = self.context_of(st)
         for part, seconds in zip(PARTS, (st.draft_s, st.verify_s, st.other_s)):
             rows = getattr(self.base, f"{part}_ms")
             kk = st.k if part == "draft" else k_rows
             j0, j1, wk = _between(self.base.ks, kk) if kk > 0 else (0, 0, 0.0)
             cell = [r[j0] + wk * (r[j1] - r[j0]) for r in (rows[i0], rows[i1])]
             predicted = cell[0] + w * (cell[1] - cell[0])
+            if context is not None and part != "other":  # the grid's cell at the context this step served
+                predicted *= self.base.context.scale(part, st.batch_size, kk, context, self.base.context_tokens)
             if predicted > 0.05 and seconds > 0:  # a part the grid prices at ~0 says nothing
                 jj = j0 if wk < 0.5 else j1
                 self.samples[(part, group)].append((jj, math.log(seconds * 1000 / predicted)))
                 took = True
         self.used += took
         return took
+
+    def context_of(self, st: StepStats) -> float | None:
+        """The context a step is priced at (its rows' mean or longest KV, by the grid's attention layout); None
+        without a context axis (the grid's cells then stand for every context)."""
+        if self.base.context is None or not st.contexts or self.base.context_tokens is None:
+            return None
+        return self.base.context.context_of(list(st.contexts))
 
     def _chunk(self, st: StepStats, j: int, between, group: int) -> bool:
         """A step that prefilled: what it took beyond its decode part (priced by the calibrated grid, as a
@@ -222,7 +232,7 @@ class Calibrated:
             if self.live is not None:  # the profile's per-position shape, scaled to the live per-token rate
                 r = self.live.value / self.profile.acceptance_rate if self.profile.acceptance_rate else 1.0
                 acceptance = [min(a * r ** (j + 1), 1.0) for j, a in enumerate(acceptance)]
-            self.inner.best_k.update(best_k_table(grid, acceptance))
+            self.inner.reprice(grid, acceptance)
 
     def __getattr__(self, name):  # acceptance_estimate and the like: the inner policy's
         if name == "inner":  # not set yet (copying, unpickling): no recursion

@@ -41,14 +41,15 @@ BUDGET = EngineConfig.model_fields["max_num_batched_tokens"].default
 """The engine's per-step token budget: the chunked prefill is priced at it."""
 
 
-def _engine(models: LoadedModels, batch: int, max_k: int, need: int, budget: int = BUDGET) -> Engine:
+def _engine(models: LoadedModels, batch: int, max_k: int, need: int, budget: int = BUDGET,
+            max_model_len: int | None = None) -> Engine:
     """An engine to measure with: room for `batch` requests of up to `need` KV tokens each (prompt +
     max_tokens + max_k + 1) admitted at once, `budget` tokens a step, no prefix cache, k = 0 until set."""
     bs = EngineConfig.model_fields["block_size"].default
     pool = batch * (-(-need // bs) + 1) * bs  # whole blocks + the block of headroom admission keeps per request
     return Engine.from_models(models, EngineConfig(max_batch_size=batch, max_k=max_k, max_num_tokens=pool,
-                                                   max_num_batched_tokens=max(budget, batch), prefix_caching=False),
-                              FixedK(0))
+                                                   max_num_batched_tokens=max(budget, batch), prefix_caching=False,
+                                                   max_model_len=max_model_len), FixedK(0))
 
 
 def _prefill(engine: Engine, reqs: list) -> None:

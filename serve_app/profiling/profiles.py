@@ -15,6 +15,7 @@ yields b * E tokens in step_ms(b, k).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from datetime import datetime, timezone
@@ -22,6 +23,81 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ContextGrid(BaseModel):
+    """Step parts at several contexts: how the draft's and the verification's time grow with the KV tokens each
+    row attends, per (batch size, k). The latency grid is measured at one (short) context; this grid scales
+    its cells to the context a step really serves (`scale`), so calibration and the policies price context
+    apart from the machine's own speed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    contexts: list[int] = Field(min_length=1)
+    """Mean KV tokens per row (prompt + generated) in the recorded steps of each context measured, ascending."""
+    batch_sizes: list[int] = Field(min_length=1)
+    """Batch sizes measured, ascending."""
+    ks: list[int] = Field(min_length=1)
+    """Speculation lengths measured, ascending from 0."""
+    draft_ms: list[list[list[float | None]]]
+    """draft_ms[c][i][j]: the draft's time of a step at contexts[c], batch_sizes[i], ks[j] (None: not measured,
+    e.g. a KV pool too small for that many long rows)."""
+    verify_ms: list[list[list[float | None]]]
+    """verify_ms[c][i][j]: the verification's time there."""
+    layout: Literal["padded", "paged"] = "paged"
+    """How attention pays for a batch of rows of different lengths: `paged` per row (a paged / flex kernel: the
+    step's context is the rows' mean), `padded` at the longest row (the gather backend pads each group)."""
+    backend: str | None = None
+    """The attention backend measured (`gather`, `flex`)."""
+
+    @model_validator(mode="after")
+    def _shape(self) -> "ContextGrid":
+        for name, seq in (("contexts", self.contexts), ("batch_sizes", self.batch_sizes), ("ks", self.ks)):
+            if seq != sorted(set(seq)) or seq[0] < (0 if name == "ks" else 1):
+                raise ValueError(f"context grid: {name} must be ascending, distinct and positive")
+        for name in ("draft_ms", "verify_ms"):
+            cube = getattr(self, name)
+            if len(cube) != len(self.contexts) or any(len(rows) != len(self.batch_sizes) or any(
+                    len(r) != len(self.ks) for r in rows) for rows in cube):
+                raise ValueError(f"context grid: {name} needs [contexts][batch sizes][ks] values")
+        return self
+
+    def context_of(self, contexts: list[int]) -> float:
+        """The context a step of rows with these KV lengths is priced at: their mean (paged) or longest (padded)."""
+        if not contexts:
+            return 0.0
+        return float(max(contexts)) if self.layout == "padded" else sum(contexts) / len(contexts)
+
+    def at(self, part: str, batch_size: int, k: float, context: float) -> float | None:
+        """A part's milliseconds at any (batch, k, context): linear between measured points in each, extended
+        linearly past the longest context (attention's cost grows linearly in the KV tokens), flat below the
+        shortest. None where the batch size's cells lack a measured context on both sides."""
+        cube = getattr(self, f"{part}_ms")
+        i0, i1, wb = _between(self.batch_sizes, batch_size)
+        j0, j1, wk = _between(self.ks, k) if k > 0 else (0, 0, 0.0)
+        points = []
+        for c, rows in zip(self.contexts, cube):
+            cells = [rows[i][j] for i in (i0, i1) for j in (j0, j1)]
+            if any(v is None for v in cells):
+                continue
+            a, b, x, y = cells
+            lo, hi = a + wk * (b - a), x + wk * (y - x)
+            points.append((c, lo + wb * (hi - lo)))
+        if not points:
+            return None
+        if len(points) == 1:
+            return points[0][1]
+        cs, vs = [p[0] for p in points], [p[1] for p in points]
+        c0, c1, w = _between(cs, context)
+        return max(vs[c0] + w * (vs[c1] - vs[c0]), 1e-3)
+
+    def scale(self, part: str, batch_size: int, k: float, context: float | None, base: float | None) -> float:
+        """How much longer (or shorter) a part takes at `context` than at `base` (the latency grid's own context),
+        at this batch size and k: 1 where either is unknown."""
+        if context is None or base is None or context <= 0:
+            return 1.0
+        at, ref = self.at(part, batch_size, k, context), self.at(part, batch_size, k, base)
+        return at / ref if at is not None and ref and ref > 0 else 1.0
 
 
 class LatencyGrid(BaseModel):
@@ -72,6 +148,9 @@ class LatencyGrid(BaseModel):
     grows with it, since attention reads every earlier token."""
     prefill_draft_ms: list[float] | None = None
     """prefill_draft_ms[i]: the draft's part of prefill_ms[i] (what an engine without a draft saves)."""
+    context: ContextGrid | None = None
+    """The draft's and the verification's time at several contexts (`specserve profile --contexts`): the cells
+    above are scaled from `context_tokens` to the context a step serves. None (older profiles): one context."""
 
     @model_validator(mode="after")
     def _shape(self) -> "LatencyGrid":
@@ -139,17 +218,27 @@ class LatencyGrid(BaseModel):
         return (_interpolate(self.batch_sizes, fixed, batch_size)
                 + _interpolate(self.batch_sizes, per_token, batch_size) * prompt_tokens)
 
-    def step_ms(self, batch_size: int) -> list[float]:
-        """Step latency per k at any batch size: linear between measured sizes, extended beyond them."""
-        rows = self.total_ms()
-        i0, i1, w = _between(self.batch_sizes, batch_size)
-        return [max(x0 + w * (x1 - x0), 1e-3) for x0, x1 in zip(rows[i0], rows[i1])]
+    def step_ms(self, batch_size: int, context: float | None = None) -> list[float]:
+        """Step latency per k at any batch size: linear between measured sizes, extended beyond them; at
+        `context` KV tokens per row (`ContextGrid.context_of`) where the grid has a context axis."""
+        return [max(d + v + o, 1e-3) for d, v, o in zip(*self.parts_at(batch_size, context))]
 
-    def parts_at(self, batch_size: int) -> tuple[list[float], list[float], list[float]]:
-        """(draft, verify, other) milliseconds per k at any batch size, interpolated like `step_ms`."""
+    def parts_at(self, batch_size: int, context: float | None = None) -> tuple[list[float], list[float], list[float]]:
+        """(draft, verify, other) milliseconds per k at any batch size, interpolated like `step_ms`; the draft
+        and verification scaled to `context` (`context_scales`)."""
         i0, i1, w = _between(self.batch_sizes, batch_size)
-        return tuple([max(x0 + w * (x1 - x0), 0.0) for x0, x1 in zip(rows[i0], rows[i1])]
-                     for rows in (self.draft_ms, self.verify_ms, self.other_ms))
+        draft, verify, other = ([max(x0 + w * (x1 - x0), 0.0) for x0, x1 in zip(rows[i0], rows[i1])]
+                                for rows in (self.draft_ms, self.verify_ms, self.other_ms))
+        sd, sv = self.context_scales(batch_size, context)
+        return [d * s for d, s in zip(draft, sd)], [v * s for v, s in zip(verify, sv)], other
+
+    def context_scales(self, batch_size: int, context: float | None) -> tuple[list[float], list[float]]:
+        """Per k, the draft's and the verification's time at `context` over their time at the grid's own context
+        (`context_tokens`): all 1 without a context axis or a context."""
+        if self.context is None or context is None or self.context_tokens is None:
+            return [1.0] * len(self.ks), [1.0] * len(self.ks)
+        return tuple([self.context.scale(part, batch_size, k, context, self.context_tokens) for k in self.ks]
+                     for part in ("draft", "verify"))
 
     def resume_at(self, batch_size: int) -> float:
         """Extra milliseconds of a step that resumes speculation after k = 0 (0 when not measured)."""
@@ -294,16 +383,26 @@ def fit_acceptance_rate(acceptance: list[float]) -> float:
     return accepted / (accepted + 1.0 - acceptance[-1]) if accepted + 1.0 - acceptance[-1] > 0 else 1.0
 
 
-def ms_per_token(grid: LatencyGrid, acceptance: list[float]) -> list[list[float]]:
+def ms_per_token(grid: LatencyGrid, acceptance: list[float], context: float | None = None) -> list[list[float]]:
     """[batch size][k] latency per generated token with the measured acceptance per position
-    (E[tokens | k] = 1 + sum of acceptance[:k]); inf for k beyond the measured positions."""
+    (E[tokens | k] = 1 + sum of acceptance[:k]); inf for k beyond the measured positions. At `context` KV tokens
+    per row where the grid has a context axis (else at its own context)."""
+    rows = grid.total_ms() if context is None else [grid.step_ms(b, context) for b in grid.batch_sizes]
     return [[ms / (b * (1 + sum(acceptance[:k]))) if k <= len(acceptance) else float("inf")
-             for k, ms in zip(grid.ks, row)] for b, row in zip(grid.batch_sizes, grid.total_ms())]
+             for k, ms in zip(grid.ks, row)] for b, row in zip(grid.batch_sizes, rows)]
 
 
-def best_k_table(grid: LatencyGrid, acceptance: list[float]) -> dict[int, int]:
-    """Per batch size, the k with the lowest measured latency per generated token (ties: smaller k)."""
-    return {b: min(zip(row, grid.ks))[1] for b, row in zip(grid.batch_sizes, ms_per_token(grid, acceptance))}
+def best_k_table(grid: LatencyGrid, acceptance: list[float], context: float | None = None) -> dict[int, int]:
+    """Per batch size, the k with the lowest measured latency per generated token (ties: smaller k), at `context`."""
+    return {b: min(zip(row, grid.ks))[1] for b, row in zip(grid.batch_sizes, ms_per_token(grid, acceptance, context))}
+
+
+def context_bucket(context: float | None) -> int | None:
+    """A context rounded to a quarter of a power of two (64, 76, 90, 108, 128, ...): what price caches key on,
+    a few % apart, so a cache holds a few dozen entries however contexts vary."""
+    if context is None or context <= 0:
+        return None
+    return round(2 ** (round(4 * math.log2(context)) / 4))
 
 
 def detect_gpu_type() -> str:

@@ -1,0 +1,135 @@
+"""The context axis of a profile: what a step's draft and verification cost as the rows' KV grows.
+
+The latency grid is measured at a chat answer's context (tens of tokens). Served rows attend far more: a
+document question at 2k tokens, an agent's history at 16k. Attention reads every earlier token, so the
+verification of k + 1 tokens per row and each draft forward cost more there, and by how much depends on the
+hardware and the attention kernel (a paged kernel pays per row, the CPU's gather pads each group to its
+longest row). `measure_context` measures it: for each context c, batch size b and k, b rows whose prompts
+are c tokens long decode while k is set; each (c, b) visits every k in a shuffled order, two steps a visit,
+the second recorded, as the latency grid does. The result (`ContextGrid`) scales the grid's cells from its
+own context to the one a step serves (`LatencyGrid.parts_at(batch, context)`).
+
+Prompts are random token ids (fixed by a seed): timing does not depend on what the tokens say, and no
+prompt set holds thousands of tokens per row. Cells whose rows do not fit the KV pool are left None.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+from serve_app.config import EngineConfig, SamplingParams
+from serve_app.engine.policy import FixedK
+from serve_app.engine.scheduler import Engine
+from serve_app.engine.stats import StepStats
+from serve_app.profiling.profiles import ContextGrid
+
+PREFILL_BUDGET = 8192
+"""Tokens per step while the long prompts prefill (chunked): large enough to be quick, small enough that a
+16k-token row's logits and activations stay modest."""
+
+
+def _engine(models, batch: int, max_k: int, need: int) -> Engine:
+    from serve_app.profiling.profiler import _engine as grid_engine
+
+    # the context limit the rows need (the engine's default stops at 4k), within what the model allows
+    limit = getattr(models.target.config, "max_position_embeddings", None) or need
+    return grid_engine(models, batch, max_k, need, max(PREFILL_BUDGET, batch * (max_k + 1)), max(min(need, limit), 2))
+
+
+def measure_context(models, batch_sizes: list[int], ks: list[int], contexts: list[int], reps: int = 2,
+                    seed: int = 0, deadline_s: float | None = None) -> ContextGrid:
+    """The draft's and the verification's median milliseconds per (context, batch size, k). A cell whose rows
+    cannot be admitted (KV pool, context limit) or that is not reached by `deadline_s` stays None."""
+    rng = random.Random(seed)
+    vocab = models.target.config.vocab_size
+    low, high = min(100, vocab // 4), max(vocab - 100, vocab // 2)
+    steps_per_round = sum(2 * (k + 1) for k in ks) + 2
+    start = time.perf_counter()
+    measured: list[float] = []
+    draft = [[[None] * len(ks) for _ in batch_sizes] for _ in contexts]
+    verify = [[[None] * len(ks) for _ in batch_sizes] for _ in contexts]
+    backend = None
+    with tqdm(total=len(contexts) * len(batch_sizes), desc="context grid", unit="cell") as bar:
+        for c_i, c in enumerate(contexts):
+            seen_ctx: list[float] = []
+            for b_i, b in enumerate(batch_sizes):
+                bar.update(1)
+                if deadline_s is not None and time.perf_counter() - start > deadline_s:
+                    continue
+                need = c + reps * steps_per_round + max(ks) + 2
+                try:
+                    engine = _engine(models, b, max(ks), need)
+                    backend = backend or engine.kv_pool.get("attention")
+                    params = SamplingParams(max_tokens=reps * steps_per_round, ignore_eos=True)
+                    if b * need > engine.kv_capacity:  # the rows would wait for each other's KV forever
+                        raise ValueError(f"{b} rows of {need} tokens need more KV than the pool's "
+                                         f"{engine.kv_capacity} tokens")
+                    reqs = [engine.submit([rng.randrange(low, high) for _ in range(c)], params) for _ in range(b)]
+                    seen: list[StepStats] = []
+                    engine.on_step.append(seen.append)
+                    while any(r not in engine.running for r in reqs):
+                        engine.step()
+                        if len(seen) > 4 * (b * c // PREFILL_BUDGET + b + 4):  # admission stuck: never hang
+                            raise RuntimeError("the rows were not all admitted")
+                except (ValueError, RuntimeError) as e:  # more KV than the pool holds (or the device), past the context
+                    tqdm.write(f"context {c}, batch {b}: not measured ({type(e).__name__}: {str(e)[:200]})")
+                    engine = reqs = seen = None
+                    gc.collect()
+                    continue
+                samples: dict[int, list[StepStats]] = {k: [] for k in ks}
+                for _ in range(reps):
+                    order = list(ks)
+                    rng.shuffle(order)
+                    for k in order:
+                        engine.policy = FixedK(k)
+                        engine.step()
+                        engine.step()
+                        samples[k].append(seen[-1])
+                        seen_ctx.append(statistics.fmean(r.context_len for r in reqs))
+                for j, k in enumerate(ks):
+                    draft[c_i][b_i][j] = round(statistics.median(s.draft_s for s in samples[k]) * 1000, 3)
+                    verify[c_i][b_i][j] = round(statistics.median(s.verify_s for s in samples[k]) * 1000, 3)
+                for r in reqs:
+                    engine.abort(r)
+                engine.step()
+                del engine, reqs, seen
+                gc.collect()  # the engine's pool goes before the next one is sized from free memory
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            measured.append(round(statistics.fmean(seen_ctx)) if seen_ctx else c)
+    kept = [i for i, cube in enumerate(verify) if any(v is not None for row in cube for v in row)]
+    if not kept:
+        raise ValueError("no context cell could be measured (KV pool or context limit too small)")
+    ctx = [measured[i] for i in kept]
+    # contexts must ascend and differ: two requested contexts that ran alike keep the first
+    keep = [i for n, i in enumerate(kept) if n == 0 or ctx[n] > ctx[n - 1]]
+    layout = "padded" if backend in (None, "gather") else "paged"
+    return ContextGrid(contexts=[measured[i] for i in keep], batch_sizes=batch_sizes, ks=ks,
+                       draft_ms=[draft[i] for i in keep], verify_ms=[verify[i] for i in keep], layout=layout,
+                       backend=backend)
+
+
+def context_table(grid: ContextGrid) -> str:
+    """Markdown: verification and draft ms per (context, batch) at each k, and each k's verify cost relative to
+    the shortest context."""
+    lines = [f"Attention backend `{grid.backend}` ({grid.layout}). Cells: draft + verify ms per step.", "",
+             "| context | batch | " + " | ".join(f"k = {k}" for k in grid.ks) + " | verify k=0 vs shortest |",
+             "|---|---|" + "---|" * (len(grid.ks) + 1)]
+    for c_i, c in enumerate(grid.contexts):
+        for b_i, b in enumerate(grid.batch_sizes):
+            d, v = grid.draft_ms[c_i][b_i], grid.verify_ms[c_i][b_i]
+            if v[0] is None:
+                continue
+            base = grid.verify_ms[0][b_i][0]
+            rel = f"{v[0] / base:.2f}x" if base else "-"
+            lines.append(f"| {c} | {b} | " + " | ".join(f"{x:.1f} + {y:.1f}" for x, y in zip(d, v)) + f" | {rel} |")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["PREFILL_BUDGET", "context_table", "measure_context"]

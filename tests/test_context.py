@@ -1,0 +1,139 @@
+"""The profile's context axis: a step priced at the KV its rows attend. The grid scales from its own context to
+the served one (paged: the rows' mean, padded: the longest); lut, adaptive and budget choose by it; calibration
+prices each step at its context, so its factors measure the machine, not the context; the measurement runs on
+a real engine and joins a profile file."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import IdTokenizer, tiny_llama
+from serve_app.config import EngineConfig, SamplingParams
+from serve_app.engine.budget import Budget, prices
+from serve_app.engine.policy import Adaptive, BatchState, LookupTable
+from serve_app.engine.scheduler import Engine
+from serve_app.engine.stats import StepStats
+from serve_app.engine.worker import ModelWorker
+from serve_app.drafting import draft_worker
+from serve_app.profiling.calibration import Calibration
+from serve_app.profiling.profiles import ContextGrid, LatencyGrid, load_profile
+
+ROOT = Path(__file__).parent.parent
+KS = [0, 1, 2, 4]
+CONTEXTS = [64, 512, 2048]
+
+
+def cube(per_token_ms: float, base: float, k_weight: float):
+    """[contexts][batch 1, 8][ks]: a part growing linearly with the context, faster at larger k."""
+    return [[[round(base * b ** 0.5 + per_token_ms * c * b * (1 + k_weight * k), 4) for k in KS] for b in (1, 8)]
+            for c in CONTEXTS]
+
+
+def grid(layout="paged") -> LatencyGrid:
+    ctx = ContextGrid(contexts=CONTEXTS, batch_sizes=[1, 8], ks=KS, layout=layout,
+                      draft_ms=cube(0.0005, 2.0, 1.0), verify_ms=cube(0.002, 10.0, 0.3))
+    base = {name: [[c[0][i][j] for j in range(len(KS))] for i in range(2)] for name, c in
+            (("draft_ms", ctx.draft_ms), ("verify_ms", ctx.verify_ms))}
+    return LatencyGrid(batch_sizes=[1, 8], ks=KS, other_ms=[[1.0] * 4, [1.5] * 4], context_tokens=64,
+                       context=ctx, **base)
+
+
+def test_the_grid_scales_its_cells_to_the_served_context():
+    g = grid()
+    draft0, verify0, other0 = g.parts_at(8)
+    assert g.parts_at(8, 64) == (draft0, verify0, other0)  # at its own context: the cells themselves
+    _, v512, o512 = g.parts_at(8, 512)
+    assert o512 == other0  # the rest of the step does not read the KV
+    assert v512[0] == pytest.approx(g.context.verify_ms[1][1][0], rel=1e-6)
+    # between measured contexts: linear; past the longest: extended linearly
+    _, v1280, _ = g.parts_at(8, 1280)
+    assert v1280[2] == pytest.approx((g.context.verify_ms[1][1][2] + g.context.verify_ms[2][1][2]) / 2, rel=1e-6)
+    _, v4096, _ = g.parts_at(8, 4096)
+    assert v4096[0] > g.context.verify_ms[2][1][0]
+    assert g.step_ms(8, 2048)[3] > g.step_ms(8)[3] * 2  # long contexts cost far more per drafted token here
+    # no axis, or no context: unchanged; an older profile loads as one context
+    plain = g.model_copy(update={"context": None})
+    assert plain.parts_at(8, 2048) == plain.parts_at(8)
+    assert load_profile(ROOT / "profiles" / "cpu-2core.json").latency.context is None
+
+
+def test_paged_prices_the_mean_padded_the_longest_row():
+    rows = [100, 100, 100, 1700]
+    assert grid("paged").context.context_of(rows) == 500
+    assert grid("padded").context.context_of(rows) == 1700
+    state = BatchState(4, 8, contexts=tuple(rows))
+    assert state.context_for(grid()) == 500 and state.context_for(grid().model_copy(update={"context": None})) is None
+
+
+def test_policies_speculate_less_at_long_context():
+    g = grid()
+    short, long = BatchState(8, 4, contexts=(64,) * 8), BatchState(8, 4, contexts=(2048,) * 8)
+    adaptive = Adaptive(g, acceptance_rate=0.6)
+    assert adaptive.choose(long) < adaptive.choose(short)
+    lut = LookupTable({1: 4, 8: 4}, g, [0.6, 0.36, 0.22, 0.13])
+    assert lut.choose(long) < lut.choose(short)
+    assert LookupTable({1: 4, 8: 4}).choose(long) == 4  # a table without a grid: the paper's, by batch only
+    at_short, at_long = prices(g, 8, 64), prices(g, 8, 2048)
+    assert at_long.token_ms > 3 * at_short.token_ms and at_long.forward_ms > at_short.forward_ms
+    budget = Budget(g, acceptance_rate=0.6)
+    assert budget.uniform(8, 2048)[0] < budget.uniform(8, 64)[0]
+
+
+def test_calibration_measures_the_machine_not_the_context():
+    """Steps at 2k context on a machine exactly as fast as its profile: with the context axis the factors stay 1;
+    priced at the grid's own context (no axis) they read the context as a slow machine."""
+    g = grid()
+    with_axis, without = Calibration(g, warmup=0), Calibration(g.model_copy(update={"context": None}), warmup=0)
+    draft, verify, other = g.parts_at(8, 2048)
+    for i in range(40):
+        k = KS[1 + i % 3]
+        j = KS.index(k)
+        st = StepStats(batch_size=8, k=k, draft_s=draft[j] / 1000, verify_s=verify[j] / 1000, other_s=other[j] / 1000,
+                       contexts=(2048,) * 8)
+        with_axis.observe(st)
+        without.observe(st)
+    for part in ("draft", "verify"):
+        assert with_axis.factor(part, 1) == pytest.approx(1.0, abs=1e-3), part
+        assert without.factor(part, 1) > 2.0, part
+
+
+def test_measure_context_runs_the_engine_and_joins_a_profile(tmp_path):
+    from serve_app.bench.context import bench_context, merge_into_profile
+    from serve_app.models import LoadedModels
+
+    target, draft = tiny_llama(97, layers=2, seed=0), tiny_llama(97, layers=1, seed=1)
+    models = LoadedModels(target, draft, IdTokenizer(), "tiny", "tiny-draft")
+    results, md = bench_context(models, [1, 3], [0, 1, 2], [16, 96], reps=1, deadline_s=None, label="tiny")
+    g = ContextGrid.model_validate(results["grid"])
+    assert len(g.contexts) == 2 and 16 <= g.contexts[0] < g.contexts[1] and g.layout == "padded"  # gather on a CPU
+    assert all(v is not None and v > 0 for c in g.verify_ms for row in c for v in row)
+    assert "| context | batch |" in md
+    path = tmp_path / "p.json"
+    shutil.copy(ROOT / "profiles" / "cpu-2core.json", path)
+    merge_into_profile(str(path), results["grid"])
+    assert load_profile(path).latency.context == g
+    assert json.loads(path.read_text())["latency"]["context"]["contexts"] == g.contexts
+
+
+def test_the_engine_hands_the_policy_each_rows_context():
+    seen = []
+
+    class Spy:
+        name = "spy"
+
+        def choose(self, state):
+            seen.append(state.contexts)
+            return 1
+
+        def observe(self, stats):
+            assert len(stats.contexts) == stats.batch_size or not stats.batch_size
+
+    target, draft = tiny_llama(97, layers=2, seed=0), tiny_llama(97, layers=1, seed=1)
+    engine = Engine(ModelWorker(target, "target"), draft_worker(draft), IdTokenizer(), EngineConfig(), policy=Spy(),
+                    eos_ids=set())
+    reqs = [engine.submit(list(range(1, 1 + n)), SamplingParams(max_tokens=4)) for n in (3, 30)]
+    engine.run(reqs)
+    assert seen[0] == (4, 31)  # prompt + the first token each
+    assert all(len(c) == 2 for c in seen)
