@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.specserve-installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install serve run test test-slow bench bench-http profile bench-policies distill distill-corpus clean gpu-wheels
+.PHONY: install prometheus serve run test test-slow bench bench-http profile bench-policies distill distill-corpus clean gpu-wheels
 
 # torch is pinned to the local CPU wheel (an unpinned torch pulls GBs of CUDA); on GPU machines
 # install torch for your CUDA first (docs/development.md, "GPU install"), then `pip install -e .`.
@@ -37,11 +37,22 @@ run: install  ## offline: generate completions for the example prompts on the em
 	$(VENV)/bin/specserve generate --prompts examples/prompts.jsonl --out out/completions.jsonl --policy fixed:3
 	@cat out/completions.jsonl | $(PY) -c "import sys,json; [print(repr(json.loads(l).get('text', l))[:160]) for l in sys.stdin]"
 
-test: install  ## the whole default test suite (CPU, no network)
+test: install prometheus  ## the whole default test suite (CPU, no network)
 	$(PY) -m pytest -q
 
 test-slow: install  ## the tests marked slow, left out of `make test` (guidellm's load run, the .gguf conversion check)
 	$(PY) -m pytest -q -m slow
+
+# Prometheus and promtool, Debian's package, for the monitoring test (tests/test_loadtest.py: a real Prometheus
+# scrapes the live service and evaluates the dashboard's queries and k8s/prometheus-rules.yaml). Installed where
+# apt-get runs as root (CI, the developers' machines); elsewhere the test says it skipped and why.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 || \
+	    { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } || \
+	    echo "prometheus: apt-get could not install it; the monitoring test will skip"; \
+	  else echo "prometheus: not installed (needs apt-get as root); the monitoring test will skip"; fi; }
 
 bench: install  ## engine tokens/s vs Hugging Face generate, printed as ratios (results/bench-engine-<hardware>.md)
 	$(VENV)/bin/specserve bench engine

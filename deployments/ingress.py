@@ -38,8 +38,38 @@ from .protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, Sampli
 from .responses import create_response
 from .upstream import RouterStream, GroupLease, request_id
 
+GROUP_HEADER = "x-specserve-group"
+"""Request header: serve on this engine group (a GPU type), not the least-loaded one (tests, debugging one
+group). Response header: the group(s) that served, comma-separated."""
+
 app = FastAPI(title="specserve", description="OpenAI-compatible speculative decoding server")
 install_handlers(app)
+
+
+class NameTheGroup:
+    """ASGI middleware: the answer names the engine group(s) that served it (`GROUP_HEADER`, which `start_streams`
+    leaves in the request's state). Plain ASGI, not Starlette's BaseHTTPMiddleware, so streamed answers and
+    clients that leave behave exactly as without it."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def named(message):
+            if message["type"] == "http.response.start":
+                groups = scope.get("state", {}).get("groups")
+                if groups:
+                    message = {**message, "headers": [*message.get("headers", []),
+                                                      (GROUP_HEADER.encode(), groups.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, named)
+
+
+app.add_middleware(NameTheGroup)
 log = logging.getLogger("ray.serve")
 try:
     SERVER_VERSION = importlib.metadata.version("specserve")
@@ -558,12 +588,16 @@ class OpenAIIngress:
         if self.draining:
             raise APIError(503, "the server is shutting down; retry on another instance", code="draining", retry_after=5)
         rid = given_id or request_id(request)  # the body's id (vLLM's request_id) names the answer
+        pinned = getattr(request, "headers", {}).get(GROUP_HEADER)
+        if pinned is not None and pinned not in self.routers:
+            raise APIError(400, f"{GROUP_HEADER}: no engine group {pinned!r} (groups: {', '.join(self.routers)})",
+                           code="invalid_value")
         self._watch()
         leases: list[GroupLease] = []
         events = None  # once set, the SSE generator owns the leases
         try:
             for c, (ids, p) in enumerate(jobs):
-                lease = GroupLease(self.in_flight, self._pick_group(), self)
+                lease = GroupLease(self.in_flight, pinned or self._pick_group(), self)
                 leases.append(lease)
                 lease.upstream = RouterStream(self.routers[lease.group], ids, p, rid if len(jobs) == 1 else f"{rid}-{c}",
                                               stream, self.max_resubmits, self.resubmit_wait_s,
@@ -575,6 +609,8 @@ class OpenAIIngress:
                     status = first["status"]
                     code = {400: "invalid_value", 503: "engine_unavailable"}.get(status)
                     raise APIError(status, first["error"], code=code, retry_after=first.get("retry_after"))
+            if hasattr(request, "state"):  # for `NameTheGroup` (a test's stand-in request may have none)
+                request.state.groups = ",".join(dict.fromkeys(lease.group for lease in leases))
             if not stream:
                 return await reply(firsts, leases, rid)
             events = reply(firsts, leases, rid)

@@ -1,6 +1,7 @@
 """The benchmarks' method: every side warmed up and run each round, ratios within a round, every output compared."""
 
 import json
+import math
 
 import pytest
 
@@ -74,3 +75,33 @@ def test_bench_engine_compares_like_with_like(tiny_model_dirs, tmp_path, capsys)
     assert main(["bench", "engine", "--target", tiny_model_dirs["target"], "--rounds", "0"]) == 2
     assert main(["bench", "engine", "--target", tiny_model_dirs["target"], "--concurrency", "1"]) == 2
     assert main(["bench", "http", "--target", tiny_model_dirs["target"], "--policy", "adaptive"]) == 2
+
+
+def test_paired_ratios_rotate_and_hold_out_their_reference():
+    """Paired by round: a common slow spell cancels; the interval shrinks as rounds agree; the reference fixed k
+    is picked on the even rounds and judged on the odd ones."""
+    from serve_app.bench.policies import paired_report
+    from serve_app.bench.rounds import paired_ratio, rotated
+
+    assert [rotated(list("abc"), i) for i in range(3)] == [list("abc"), list("bca"), list("cab")]
+    slow = [1.0, 3.0, 1.0, 3.0, 1.0, 3.0]  # the machine's speed swings 3x between rounds
+    r = paired_ratio([0.9 * x for x in slow], slow)
+    assert r["ratio"] == pytest.approx(0.9) and r["low"] == pytest.approx(0.9) and r["high"] == pytest.approx(0.9)
+    noisy = paired_ratio([0.9 * x * (1.05 if i % 2 else 0.95) for i, x in enumerate(slow)], slow)
+    assert noisy["low"] < 0.9 < noisy["high"] and noisy["high"] < 1.0
+    assert paired_ratio([1.0], [2.0]) == {"ratio": 0.5, "low": None, "high": None, "rounds": 1}
+
+    class R:
+        def __init__(self, x):
+            self.mean_latency = x
+
+    # fixed:1 is best on the even rounds (its luck), fixed:2 on the odd ones: the held-out reference is fixed:1,
+    # judged where it was not picked
+    runs = {"fixed:1": [R(1.0), R(1.3), R(1.0), R(1.3)], "fixed:2": [R(1.2), R(1.1), R(1.2), R(1.1)],
+            "adaptive": [R(1.05), R(1.05), R(1.05), R(1.05)]}
+    rep = paired_report(runs)
+    held = rep["policies"]["adaptive"]["held_out"]
+    assert rep["rounds"] == 4 and held["reference"] == "fixed:1"
+    assert held["ratio"] == pytest.approx(1.05 / 1.3)
+    assert rep["policies"]["adaptive"]["fixed:2"]["ratio"] == pytest.approx(math.exp(
+        (math.log(1.05 / 1.2) + math.log(1.05 / 1.1)) / 2))

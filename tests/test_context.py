@@ -56,7 +56,8 @@ def test_the_grid_scales_its_cells_to_the_served_context():
     # no axis, or no context: unchanged; an older profile loads as one context
     plain = g.model_copy(update={"context": None})
     assert plain.parts_at(8, 2048) == plain.parts_at(8)
-    assert load_profile(ROOT / "profiles" / "cpu-2core.json").latency.context is None
+    assert load_profile(ROOT / "tests" / "data" / "cpu-2core-before-chunk-prices.json").latency.context is None
+    assert load_profile(ROOT / "profiles" / "cpu-2core.json").latency.context.layout == "padded"  # measured here
 
 
 def test_paged_prices_the_mean_padded_the_longest_row():

@@ -99,6 +99,18 @@ def test_embedded_loads_from_a_converted_copy_identical_to_the_gguf(tmp_path, mo
         assert torch.equal(copy(torch.tensor([ids])).logits, direct(torch.tensor([ids])).logits)
 
 
+def test_the_converted_copy_scores_a_few_tokens_as_the_gguf_does():
+    """The default tier's form of the check above: the copy every embedded test reads (converted once into the
+    cache) against the .gguf itself, on the logits of a few tokens; the slow test converts afresh."""
+    from serve_app.models import _from_pretrained, embedded_source
+
+    direct, tok = _from_pretrained(str(embedded_gguf()), "float32", "cpu", "model")
+    copy, _ = _from_pretrained(embedded_source(), "float32", "cpu", "model")
+    ids = torch.tensor([tok.encode("The capital of France is Paris, and 日本")[:12]])
+    with torch.inference_mode():
+        assert torch.equal(copy(ids).logits, direct(ids).logits)
+
+
 def test_seeded_sampling_gives_the_same_text_at_any_k_on_the_embedded_pair(models, prompts):
     """The coupled sampler on the real pair: same seeded text with the EAGLE-3 draft at k = 1 and 4
     (some drafts accepted) as without speculation, alone or in a batch."""

@@ -388,3 +388,93 @@ def test_dashboard_promql_names_only_metrics_the_service_exports(live):
     assert polled <= api, sorted(polled - api)
     assert {f"ray_{n}" for n in polled} <= exported  # the same series on Ray's export port
     assert len(wanted) >= 11
+
+
+# ---- a real Prometheus: it scrapes the live service under a Locust run and evaluates the dashboard ---------
+RULES = ROOT / "k8s" / "prometheus-rules.yaml"
+
+
+def panel_queries(dashboard: dict, rate_interval: str = "20s") -> list[tuple[str, str, list[str]]]:
+    """(panel title, PromQL with Grafana's variables filled in, the labels it groups by) for every target."""
+    import re
+
+    out = []
+    for panel in dashboard["panels"]:
+        for t in panel.get("targets", []):
+            expr = t["expr"].replace("$__rate_interval", rate_interval).replace('"$gpu_type"', '".*"')
+            by = re.findall(r"by \(([^)]*)\)", expr)
+            labels = sorted({x.strip() for group in by for x in group.split(",")} - {"le"})
+            out.append((panel["title"], expr, labels))
+    return out
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+def test_prometheus_evaluates_every_dashboard_query_and_the_alert_rules(live, tmp_path):
+    """Prometheus (Debian's package: `make test` installs it where apt-get can) scrapes the live service, Ray's
+    export port and the API port, while Locust drives it and a few requests are refused; every dashboard panel's
+    query then returns series carrying the labels it groups by, the recording rules evaluate, and promtool
+    accepts the rules and passes their unit tests (each alert fires where it should, tests/data)."""
+    import shutil
+
+    prometheus, promtool = shutil.which("prometheus"), shutil.which("promtool")
+    if prometheus is None or promtool is None:
+        pytest.skip("prometheus is not installed here (make test installs Debian's package where it can)")
+    check = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    unit = subprocess.run([promtool, "test", "rules", "prometheus_rules_test.yaml"], cwd=ROOT / "tests" / "data",
+                          capture_output=True, text=True)
+    assert unit.returncode == 0 and "SUCCESS" in unit.stdout, unit.stdout + unit.stderr
+
+    port = free_port()
+    ray_target, api_target = (urllib.parse.urlsplit(u).netloc for u in (live["metrics"], live["url"]))
+    (tmp_path / "prometheus.yml").write_text(json.dumps({  # JSON is YAML
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(RULES)],
+        "scrape_configs": [{"job_name": "ray", "static_configs": [{"targets": [ray_target]}]},
+                           {"job_name": "specserve-api", "static_configs": [{"targets": [api_target]}]}]}))
+    server = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
+                               f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
+                               "--log.level=warn"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    api = f"http://127.0.0.1:{port}/api/v1"
+
+    def query(expr: str) -> list[dict]:
+        r = httpx.get(f"{api}/query", params={"query": expr}, timeout=10).json()
+        assert r["status"] == "success", (expr, r)
+        return r["data"]["result"]
+
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        run = threading.Thread(target=run_loadtest, args=(["--url", live["url"], "--shape", "step", "--duration", "40",
+                                                            "--max-tokens", "16", "--out", str(tmp_path / "locust")],))
+        run.start()
+        for _ in range(3):  # refused by the engine (past the context limit): a status other than 200
+            httpx.post(f"{live['url']}/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": "the cat sat " * 120, "max_tokens": 4})
+        queries = panel_queries(json.loads(DASHBOARD.read_text()))
+        missing = queries
+        deadline = time.time() + 60
+        while missing and time.time() < deadline:
+            time.sleep(3)
+            missing = [(title, expr, labels) for title, expr, labels in missing if not query(expr)]
+        assert not missing, [title for title, _, _ in missing]
+        for title, expr, labels in queries:
+            for series in query(expr) or []:  # a panel that rated to nothing since is not a missing label
+                assert set(labels) <= set(series["metric"]), (title, labels, series["metric"])
+        assert query("specserve:acceptance_rate:rate10m") and query("specserve:ttft_seconds:p95_5m")
+        assert query('vllm:kv_cache_usage_perc{job="specserve-api"}')  # what the KV-pool alert reads
+        rules = httpx.get(f"{api}/rules", timeout=10).json()["data"]["groups"]
+        assert {r["name"] for g in rules for r in g["rules"] if r["type"] == "alerting"} == {
+            "SpecserveErrorRatioHigh", "SpecserveQueueTimeHigh", "SpecserveKVPoolFull", "SpecserveAcceptanceCollapse"}
+        assert all(r["health"] == "ok" for g in rules for r in g["rules"]), rules
+        run.join(timeout=120)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

@@ -719,13 +719,23 @@ def test_seeded_sampling_holds_under_any_policy_and_load(service):
         return c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "the cat"}], max_tokens=16,
                                          temperature=0.8, seed=7).choices[0].message.content
 
-    alone = {ask() for _ in range(4)}  # least-loaded routing spreads these over both groups
+    def on(group):  # sent to that group explicitly; the answer names the group that served it
+        raw = c.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "the cat"}], max_tokens=16, temperature=0.8, seed=7,
+            extra_headers={"x-specserve-group": group})
+        assert raw.headers["x-specserve-group"] == group
+        return raw.parse().choices[0].message.content
+
+    alone = {on(g) for g in ("A", "B", "A", "B")}  # group A runs k = 1, group B k = 3
     with ThreadPoolExecutor(6) as pool:
         busy = [pool.submit(c.completions.create, model=MODEL, prompt=p, max_tokens=40, temperature=1.0) for p in PROMPTS * 2]
-        loaded = {ask() for _ in range(3)}
+        loaded = {on(g) for g in ("B", "A", "B")} | {ask()}
         for f in busy:
             f.result()
     assert len(alone) == 1 and loaded == alone
+    bad = httpx.post(f"{service['url']}/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2},
+                     headers={"x-specserve-group": "C"})
+    assert bad.status_code == 400 and "x-specserve-group" in bad.json()["error"]["message"]
 
 
 def test_lone_surrogates_and_bad_unicode_get_400(service):

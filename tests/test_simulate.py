@@ -174,7 +174,11 @@ def test_old_profiles_prefill_price_is_used_per_prompt_token_and_resuming_specul
     assert steps[resumed + 1][0] - steps[resumed][0] == pytest.approx(0.015 + 0.005)
 
 
-def test_validation_flags_errors_and_orders_and_runs_on_a_tiny_pair(tiny_model_dirs, tmp_path):
+def test_validation_smoke_report_is_consistent_on_a_tiny_pair(tiny_model_dirs, tmp_path):
+    """A smoke test of `simulate --validate` end to end (profile, real rounds, simulated rounds, report): on a
+    tiny pair at scale 0.08 the real rounds are too short for an accuracy bound, so it checks the report's
+    consistency (its verdict, exit code and errors agree with its own numbers), not the simulator's accuracy;
+    that is `bench simcheck`'s and the committed validation results' job."""
     from serve_app.bench.simcheck import discordant_pairs
     from serve_app.cli import main
 
@@ -250,6 +254,24 @@ def test_fleet_engine_agrees_with_the_step_engine(policy, chunked):
     res = simulate_fleet({"cpu-2core": 3}, {"cpu-2core": profile}, policy, users_at=lambda t: 5 if t < 20 else 9,
                          duration_s=40, prompt_tokens=40, output_tokens=32)
     assert res.arrivals == len(res.e2e) > 50 and (res.ttft <= res.e2e + 1e-9).all() and (res.ttft > 0).all()
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: on the committed profile's measured chunk prices the fleet engine's "
+                                      "TTFT comes out ~20% off the step engine's (fleetsim's prefill model); "
+                                      "strict: this test fails the suite once the gap is closed, to be made a plain test")
+def test_fleet_engine_ttft_agrees_with_the_step_engine_on_the_committed_profile():
+    from serve_app.sim.fleetsim import simulate_fleet
+
+    profile = Profile.model_validate(json.loads((ROOT / "profiles" / "cpu-2core.json").read_text()))
+    rng = np.random.default_rng(0)
+    trace, t = [], 0.0
+    while t < 90:
+        t += rng.exponential(1 / 6.0)
+        trace.append((t, int(rng.integers(30, 60)), int(rng.integers(16, 48))))
+    exact = simulate({"cpu-2core": 4}, {"cpu-2core": profile}, "fixed:1", trace=trace, max_batch=8).summary()
+    fleet = simulate_fleet({"cpu-2core": 4}, {"cpu-2core": profile}, "fixed:1", trace=trace, max_batch=8,
+                           tick_s=0.05).summary()
+    assert fleet["ttft_p50_s"] == pytest.approx(exact["ttft_p50_s"], rel=0.15)
 
 
 @pytest.mark.parametrize("engine", ["step", "fleet"])

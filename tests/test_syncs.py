@@ -1,13 +1,14 @@
 """Device-to-host reads per engine step are held to a budget that does not grow with the batch."""
 
 import pytest
+import torch
 
 from conftest import make_tokenizer
 from serve_app.config import EngineConfig
 from serve_app.engine import syncs
 from serve_app.engine.policy import FixedK
 from serve_app.engine.scheduler import Engine
-from serve_app.engine.syncs import STEP_BUDGET_PER_POSITION
+from serve_app.engine.syncs import STEP_BUDGET_PER_POSITION, SyncCounter
 from serve_app.engine.worker import ModelWorker
 
 
@@ -25,4 +26,25 @@ def test_host_reads_per_step_stay_within_budget_at_any_batch_size(tiny_target, t
     budget = STEP_BUDGET_PER_POSITION * (k + 1)
     small, large = (reads_per_step(tiny_target, tiny_drafts["near"], b, k) for b in (3, 24))
     assert small <= budget and large <= budget, (small, large, budget)
+    # and at least one read per position (which rows accepted, or the next tokens): a counter that counted
+    # nothing would pass the budget
+    assert small >= k + 1 and large >= k + 1, (small, large)
     assert large <= small + 2 * (k + 1), (small, large)  # not per row: acceptance may walk a position more
+
+
+def test_the_counter_counts_known_reads_by_call_site():
+    t = torch.arange(6)
+    with SyncCounter() as c:
+        t[0].item()
+        t.tolist()
+        bool(t.sum())
+        t.nonzero()
+        t.cpu()
+        t + 1  # no read: stays on the device
+        (t > 2).any()  # no read until bool() of it
+    assert c.total == 5, c.sites
+    assert {name for name, _, _ in c.sites} == {"item", "tolist", "__bool__", "nonzero", "cpu"}
+    assert all(file == "test_syncs.py" for _, file, _ in c.sites)
+    with SyncCounter("cuda") as c:  # on a GPU only reads of GPU tensors stall the stream: host tensors do not count
+        t.tolist()
+    assert c.total == 0

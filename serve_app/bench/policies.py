@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 import statistics
 import time
@@ -35,7 +36,7 @@ from serve_app.bench.prompt_sets import BENCH_PROMPTS, CREATIVE_PROMPTS, REWRITE
 from serve_app.engine.scheduler import Engine
 from serve_app.engine.stats import StepStats
 from serve_app.bench import regret
-from serve_app.bench.rounds import provenance
+from serve_app.bench.rounds import fmt_paired, paired_ratio, provenance, rotated
 
 LATENCY_PROMPTS = BENCH_PROMPTS + CREATIVE_PROMPTS
 
@@ -271,15 +272,16 @@ def bench_policies(models: LoadedModels, profile: Profile, out_dir: str, concurr
         def rounds(label: str, names: list[str], jobs: list[Job], max_batch: int, open_loop: bool) -> dict[str, list[Result]]:
             runs: dict[str, list[Result]] = {p: [] for p in names}
             for i in range(repeat):
-                for p in names:
+                for p in rotated(names, i):  # each policy runs at each place in the order by turns
                     bar.set_postfix_str(f"{label} {p} ({i + 1}/{repeat})")
                     runs[p].append(_run(models, profile, p, jobs, max_batch, open_loop, bar, steps=[]))
             return runs
 
         if plan:
-            rows = {}
+            rows, results["paired_uniform"] = {}, {}
             for c, jobs in plan.items():
                 runs = rounds(f"(a) c={c}", policies, jobs, c, False)
+                results["paired_uniform"][c] = paired_report(runs)
                 rows[c] = {p: {"mean_latency_s": _med(rs, lambda r: r.mean_latency), "spread": _spread(rs),
                                "tokens_per_s": _med(rs, lambda r: r.tokens_per_s),
                                "acceptance": _med(rs, lambda r: r.acceptance), "mean_k": _med(rs, _mean_k)}
@@ -288,14 +290,15 @@ def bench_policies(models: LoadedModels, profile: Profile, out_dir: str, concurr
         if varying:
             runs = rounds("(b)", policies, varying, 32, True)
             results["varying"] = {"requests": len(varying), "phases": phases, "policies": _open_loop_rows(runs, varying),
-                                  "regret": regret_report(runs)}
+                                  "paired": paired_report(runs), "regret": regret_report(runs)}
             if plots:
                 _plot_varying(out / "varying.png", varying, phases, {p: _median_run(rs) for p, rs in runs.items()})
         if mixed:
             runs = rounds("(d)", policies, mixed, 32, True)
             kinds = {k: sum(j.kind == k for j in mixed) for k, _ in MIXED_KINDS}
             results["mixed"] = {"requests": len(mixed), "kinds": kinds, "phases": mixed_phases,
-                                "policies": _open_loop_rows(runs, mixed), "regret": regret_report(runs)}
+                                "policies": _open_loop_rows(runs, mixed), "paired": paired_report(runs),
+                                "regret": regret_report(runs)}
             if plots:
                 _plot_varying(out / "mixed.png", mixed, mixed_phases, {p: _median_run(rs) for p, rs in runs.items()},
                               "(d) bursts of mixed requests (chat, JSON, rewrites)")
@@ -322,6 +325,39 @@ def bench_policies(models: LoadedModels, profile: Profile, out_dir: str, concurr
     (out / "summary.md").write_text(f"<!-- written by {prov['command'] or 'bench_policies()'} on {prov['created']} -->\n"
                                     + summary_markdown(results, policies))
     return results
+
+
+def paired_report(runs: dict[str, list[Result]]) -> dict:
+    """Each adaptive policy's mean latency against every fixed k, paired by round (`rounds.paired_ratio`: the
+    geometric mean of per-round ratios and its 95% interval), and against a reference picked from data it is
+    not compared with: the fixed k with the lowest latency over the even rounds, judged on the odd ones
+    (`held_out`; needs 2 rounds or more)."""
+    fixed = [p for p in runs if p.startswith("fixed:")]
+    lat = {p: [r.mean_latency for r in rs] for p, rs in runs.items()}
+    out: dict = {"rounds": min((len(v) for v in lat.values()), default=0), "policies": {}}
+    for p in [q for q in runs if q in ADAPTIVE_POLICIES]:
+        row = {f: paired_ratio(lat[p], lat[f]) for f in fixed}
+        if fixed and len(lat[p]) >= 2:
+            ref = min(fixed, key=lambda f: statistics.fmean(math.log(x) for x in lat[f][0::2]))
+            row["held_out"] = {"reference": ref, **paired_ratio(lat[p][1::2], lat[ref][1::2])}
+        out["policies"][p] = row
+    return out
+
+
+def paired_markdown(paired: dict, title: str) -> list[str]:
+    """A table: each adaptive policy against each fixed k (paired ratio [95% interval]) and the held-out best."""
+    pols = paired["policies"]
+    if not pols:
+        return []
+    fixed = [f for f in next(iter(pols.values())) if f != "held_out"]
+    lines = [f"### {title}: paired by round ({paired['rounds']} rounds; mean latency ratio, geometric mean "
+             "[95% interval]; below 1 is faster)", "",
+             "| policy | " + " | ".join(fixed) + " | held-out best fixed |", "|---|" + "---|" * (len(fixed) + 1)]
+    for p, row in pols.items():
+        held = row.get("held_out")
+        tail = f"{fmt_paired(held)} vs {held['reference']}" if held else "-"
+        lines.append(f"| {p} | " + " | ".join(fmt_paired(row[f]) for f in fixed) + f" | {tail} |")
+    return lines + [""]
 
 
 def regret_report(runs: dict[str, list[Result]]) -> dict[str, list[dict]]:
@@ -416,6 +452,8 @@ def summary_markdown(res: dict, policies: list[str]) -> str:
                 cells.append(f"{v / bl:.3f}x {bf} ({v / bnl:.3f}x {bn})")
             lines.append(f"| {p} | " + " | ".join(cells) + " |")
         lines.append("")
+        for c, paired in res.get("paired_uniform", {}).items():
+            lines += paired_markdown(paired, f"(a) c={c}")
     for key, title in (("varying", "(b) Time-varying traffic (open loop, seeded Poisson arrivals)"),
                        ("mixed", "(d) Bursts of mixed requests: chat, JSON, rewrites (open loop, seeded)")):
         if key in res:
@@ -456,6 +494,8 @@ def _open_loop_markdown(v: dict, title: str, policies: list[str]) -> list[str]:
                      f"{x['choose_us_per_step']:.0f} us ({100 * x['choose_share_of_step']:.3f}%) |")
     lines += ["", f"Best fixed k >= 1: {bf} ({bl:.2f}s); best of none and fixed: {bn} ({bnl:.2f}s). "
               "Per kind: mean latency of that kind's requests.", ""]
+    if v.get("paired"):
+        lines += paired_markdown(v["paired"], title.split(" ")[0])
     if v.get("regret"):
         lines += ["Regret per batch size (decode-only steps of every round; the reference is the fixed k whose steps "
                   "made tokens fastest in that batch-size group, in this same run; time lost is what the policy's "

@@ -10,6 +10,7 @@ figure a document quotes points to a committed file and the command that made it
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 from datetime import datetime, timezone
@@ -31,6 +32,32 @@ def summary(xs: list[float]) -> dict:
     med = statistics.median(xs)
     return {"median": med, "min": min(xs), "max": max(xs), "spread": (max(xs) - min(xs)) / med if med else 0.0,
             "rounds": list(xs)}
+
+
+T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+       2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+"""Student's t, two-sided 95%, for 1..30 degrees of freedom (1.96 beyond)."""
+
+
+def paired_ratio(a: list[float], b: list[float]) -> dict:
+    """a / b from rounds run in pairs (a[i] and b[i] in the same round): the geometric mean of the per-round
+    ratios and its 95% interval (a t-interval on the log ratios), so a slow spell that hits both sides of a
+    round cancels. One round: the ratio, no interval."""
+    logs = [math.log(x / y) for x, y in zip(a, b) if x > 0 and y > 0]
+    if not logs:
+        return {"ratio": None, "low": None, "high": None, "rounds": 0}
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return {"ratio": math.exp(mean), "low": None, "high": None, "rounds": 1}
+    half = (T95[len(logs) - 2] if len(logs) - 1 <= len(T95) else 1.96) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return {"ratio": math.exp(mean), "low": math.exp(mean - half), "high": math.exp(mean + half), "rounds": len(logs)}
+
+
+def fmt_paired(r: dict) -> str:
+    """`0.93x [0.88, 0.98]`: a paired ratio and its 95% interval."""
+    if r["ratio"] is None:
+        return "-"
+    return f"{r['ratio']:.3f}x" + (f" [{r['low']:.3f}, {r['high']:.3f}]" if r["low"] is not None else "")
 
 
 def fmt_ratio(s: dict) -> str:

@@ -25,6 +25,10 @@ from serve_app.engine.stats import StepStats
 from serve_app.profiling.profiles import LatencyGrid, context_bucket, expected_tokens
 
 
+RECORD_TTL_STEPS = 256
+"""A request's record is dropped once it has not decoded for this many steps (it finished, or left)."""
+
+
 @dataclass(frozen=True)
 class Prices:
     """What speculation costs at one batch size, in milliseconds (lines through the grid's k >= 1 cells)."""
@@ -150,10 +154,13 @@ class Budget:
     def __init__(self, grid: LatencyGrid, acceptance_rate: float, probe_every: int = 16):
         self.grid, self.probe_every = grid, probe_every
         self.a, self.a_trials = acceptance_rate * 128.0, 128.0  # per-token acceptance (the step's worth)
+        # one curve per (source, constrained): model drafts of free text, model drafts under a grammar's mask
+        # (confidence ~1 on forced tokens), tokens copied by prompt lookup (confidence: the copy record's estimate)
         self.curve = ConfidenceCurve()
-        # a copied token's confidence is its matched suffix's length: the prior is the bin's own value too
+        self.constrained_curve = ConfidenceCurve()
         self.lookup_curve = ConfidenceCurve()
         self.requests: dict[str, RequestRecord] = {}
+        self._last_seen: dict[str, int] = {}  # request id -> the step it last decoded in
         self._prices: dict[tuple, Prices] = {}  # (batch size, context bucket) -> prices
         self._steps = 0
 
@@ -185,7 +192,15 @@ class Budget:
             return 0
         b = state.batch_size
         ids = state.rows or tuple(f"#{i}" for i in range(b))
-        self.requests = {rid: self.requests.get(rid) or RequestRecord() for rid in ids}
+        self._steps += 1
+        for rid in ids:
+            self._last_seen[rid] = self._steps
+            self.requests.setdefault(rid, RequestRecord())
+        if len(self.requests) > 4 * b + 64:  # a request absent for a while (finished) goes; one absent a step
+            # (its predicted output drafted for it) keeps its record
+            for rid in [r for r, t in self._last_seen.items() if self._steps - t > RECORD_TTL_STEPS]:
+                self.requests.pop(rid, None)
+                self._last_seen.pop(rid, None)
         recs = [self.requests[rid] for rid in ids]
         context = state.context_for(self.grid)
         p = self.prices(b, context)
@@ -193,7 +208,6 @@ class Budget:
         token_value = rate * p.token_ms
         # every probe_every-th step every row drafts at least one token, whatever the prices say: the curve
         # and the requests' records keep learning where they would otherwise never draft
-        self._steps += 1
         probe = bool(self.probe_every) and self._steps % self.probe_every == 0
         if not probe and not self.worth_it(b, state.max_k, [r.scale for r in recs], rate, p):
             return 0
@@ -201,6 +215,8 @@ class Budget:
                          row_value=rate * p.forward_row_ms,
                          scale=[r.scale for r in recs], curve=self.curve.values(), explore=probe,
                          lookup_curve=self.lookup_curve.values(),
+                         constrained=list(state.constrained) if any(state.constrained) else None,
+                         constrained_curve=self.constrained_curve.values(),
                          model_depth=max(k_uniform, 1))
 
     def worth_it(self, b: int, max_k: int, scales: list[float], rate: float, p: Prices) -> bool:
@@ -221,17 +237,20 @@ class Budget:
             return
         conf = rows.conf or [[] for _ in rows.ids]
         lookup = rows.lookup or [False] * len(rows.ids)
-        for rid, n, acc, cs, copied in zip(rows.ids, rows.drafted, rows.accepted, conf, lookup):
+        constrained = rows.constrained or [False] * len(rows.ids)
+        for rid, n, acc, cs, copied, masked in zip(rows.ids, rows.drafted, rows.accepted, conf, lookup, constrained):
             if not n:
                 continue
             rec = self.requests.get(rid)
-            curve = self.lookup_curve if copied else self.curve
+            curve = self.lookup_curve if copied else self.constrained_curve if masked else self.curve
             for j in range(min(acc + 1, n, len(cs))):  # the positions the target judged
                 ok = j < acc
                 if rec is not None:
                     rec.predicted += curve(cs[j])
                     rec.accepted += ok
                 curve.add(cs[j], ok)
+            if copied:  # the step's worth is the model draft's: copies (rewrites) would make it look better
+                continue
             decay = 0.5 ** ((acc + (acc < n)) / 128.0)
             self.a = self.a * decay + acc
             self.a_trials = self.a_trials * decay + acc + (acc < n)

@@ -59,7 +59,15 @@ class DraftPlan:
     rows copying from their own context (prompt lookup) may go on to their caps. None: no such limit."""
     lookup_curve: list[float] | None = None
     """The same for tokens a draft copied from the row's own context (prompt lookup), whose confidence is
-    the lookup's own (the length of the matched suffix, scaled to [0, 1])."""
+    the lookup's own estimate: its copy record's acceptance so far, from a prior that grows with the matched
+    suffix's length (`lookup.CopyRecord.estimate`; an n-gram draft's, `NgramDraft.match_confidence`)."""
+
+    constrained: list[bool] | None = None
+    """Per row: its output is constrained (a grammar, a forced tool call), so the draft's confidence is measured
+    under the mask, where it is near 1 on forced tokens whatever the draft knows; None: no row is."""
+    constrained_curve: list[float] | None = None
+    """The curve for constrained rows' model drafts (free text and masked text agree differently at the same
+    confidence); None: the model curve."""
 
     @property
     def k(self) -> int:
@@ -68,7 +76,12 @@ class DraftPlan:
 
     def estimate(self, b: int, conf: float, lookup: bool = False) -> float:
         """Row b's chance that a drafted token of confidence `conf` is accepted (given the ones before were)."""
-        curve = self.lookup_curve if lookup else self.curve
+        if lookup:
+            curve = self.lookup_curve
+        elif self.constrained is not None and self.constrained[b] and self.constrained_curve is not None:
+            curve = self.constrained_curve
+        else:
+            curve = self.curve
         e = conf if curve is None else curve[min(int(conf * CURVE_BINS), CURVE_BINS - 1)]
         if self.scale is not None:
             e *= self.scale[b]

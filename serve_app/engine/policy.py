@@ -30,6 +30,8 @@ class BatchState:
     """The decoding rows' request ids, in the engine's order (per-row policies keep a record per request)."""
     waiting: int = 0
     """Requests queued or still prefilling: prompts that want a share of the step's token budget."""
+    constrained: tuple[bool, ...] = ()
+    """Per decoding row: its output is constrained (structured output); empty: none is."""
     contexts: tuple[int, ...] = ()
     """KV tokens each decoding row attends (prompt + generated), in the rows' order: a profile with a context
     axis prices the step at them (`context_for`)."""

@@ -307,6 +307,7 @@ class Engine:
         if draft_ids and self.draft is not None:
             choice = self.policy.choose(BatchState(len(draft_ids), self.config.max_k, True, tuple(draft_ids),
                                                    len(self.prefilling) + len(self.waiting),
+                                                   tuple(self.running[b].params.structured is not None for b in drafting),
                                                    tuple(st.contexts[b] for b in drafting)))
             choice = fit_choice(choice, self.config.max_k, room, len(draft_ids))
             if choice:
@@ -354,12 +355,14 @@ class Engine:
         k = max(mine, default=0)
         st.batch_size, st.k, st.proposed = len(ids), k, sum(mine)
         st.backlog_checked, st.backlog_matched = drafts.backlog
+        st.draft_forwards = drafts.forwards
         st.accepted = sum(got)
         st.accepted_per_position = [sum(n > i for n in got) for i in range(k)]
         st.predicted = sum(len(t) for t in predicted.values())
         st.generated = sum(len(x) for x in new)
         if drafts.lengths is not None:  # a per-row plan: what each row drafted and got, for the policy
-            st.rows = RowOutcomes([ids[b] for b in drafting], mine, got, drafts.conf, drafts.lookup)
+            st.rows = RowOutcomes([ids[b] for b in drafting], mine, got, drafts.conf, drafts.lookup,
+                                  [self.running[b].params.structured is not None for b in drafting])
         for b, (req, n, toks, lp, length) in enumerate(zip(self.running, num_accepted, new, logprobs, lengths)):
             req.stats.add_step(length, n)
             if b in predicted:

@@ -35,6 +35,8 @@ class RowOutcomes:
     """The draft's confidence at each drafted position of each row."""
     lookup: list[bool] | None = None
     """Whether the row's tokens were copied from its own context (prompt lookup)."""
+    constrained: list[bool] | None = None
+    """Whether the row's output is constrained (structured output: a grammar, a forced tool call)."""
 
 
 @dataclass
@@ -76,6 +78,9 @@ class StepStats(Acceptance):
     """Seconds in everything else: scheduling, acceptance bookkeeping, detokenizing."""
     rows: RowOutcomes | None = None
     """Per row, with a per-row plan (k is then the longest row's drafted tokens, proposed their sum)."""
+    draft_forwards: int = 0
+    """Forwards the draft model ran for the step's proposal (k at a fixed k; fewer when a plan stopped rows or rows
+    copied from their context; 1 when a plan kept nothing after the first): its draft time is priced by them."""
     contexts: tuple[int, ...] = ()
     """KV tokens each decoding row attended at the step's start (prompt + generated), in the batch's order:
     calibration prices the step at them, so its factors measure the machine, not the context."""

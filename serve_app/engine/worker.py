@@ -64,6 +64,9 @@ class Proposal:
     for the policy's online acceptance curve; None when the step had no plan."""
     lookup: list[bool] | None = None
     """Per row: its tokens were copied from its own context (prompt lookup beside the model draft)."""
+    forwards: int = 0
+    """Draft forwards this proposal ran (the first over every row, later ones over the rows still drafting): what
+    its draft time is priced by. Rows that copy run none; a plan that kept nothing still ran its first."""
 
     @classmethod
     def empty(cls, rows: int) -> "Proposal":
@@ -762,6 +765,7 @@ class Drafting:
         self.tokens, self.probs, self.support, self.confs = [], [], [], []
         self.rows = list(range(len(seqs)))  # the rows of the next forward
         self.more = self.k > 0
+        self.forwards = 0  # forwards whose logits `position` drew from
 
     @property
     def copying(self) -> list[bool]:
@@ -771,6 +775,7 @@ class Drafting:
         """Draw the next position of `rows` from the model's logits [A, V] (`small` [A, N]: over its own reduced
         vocabulary); returns every row's token [B] (a row not drawn: its copy, or padding)."""
         j, rows, n = len(self.tokens), self.rows, len(self.seqs)
+        self.forwards += 1
         index = None if len(rows) == n else torch.tensor(rows)
         tok, q, ids, conf = self.worker._timed(self.draw, logits, [self.lens[b] + j for b in rows], small, index)
         if index is not None:  # back to full rows: the rest are padding (or copies, below)
@@ -848,6 +853,7 @@ class Drafting:
                     self.walk.position(j, self.confs[-1], self.copying)
         out = _proposal(self.tokens, self.probs, self.support, len(self.seqs), backlog, self.walk, self.confs,
                         self.copying if any(self.copying) else None)
+        out.forwards = self.forwards
         lengths = out.row_lengths()
         for b, c in enumerate(self.copy):
             if c is not None:

@@ -50,12 +50,16 @@ class Calibration:
 
     def observe(self, st: StepStats) -> bool:
         """Take one step's measured parts; True when it gave samples."""
-        if st.k not in self.base.ks or not (st.batch_size or st.prefill_tokens):
+        ks = self.base.ks
+        # a step at a k between (or a little past) the profiled ones is priced between its columns: a startup
+        # profile measures k in {0, 1, 2, 4}, plans run any length up to max_k
+        forwards = st.draft_forwards or st.k  # a draft that runs no model (n-gram) is priced by its k
+        if forwards > 2 * ks[-1] or not (st.batch_size or st.prefill_tokens):
             return False
         self.steps += 1
         if self.steps <= self.warmup:
             return False
-        j = self.base.ks.index(st.k)
+        j = min(range(len(ks)), key=lambda j: (abs(ks[j] - st.k), j))  # the nearest profiled k (chunk steps)
         i0, i1, w = _between(self.base.batch_sizes, max(st.batch_size, 1))
         group = i0 if w < 0.5 else i1  # the nearest profiled batch size
         if st.prefill_tokens:
@@ -67,7 +71,8 @@ class Calibration:
         context = self.context_of(st)
         for part, seconds in zip(PARTS, (st.draft_s, st.verify_s, st.other_s)):
             rows = getattr(self.base, f"{part}_ms")
-            kk = st.k if part == "draft" else k_rows
+            # the draft by the forwards it ran (a grid cell at k ran k), the rest by the tokens verified
+            kk = forwards if part == "draft" else k_rows
             j0, j1, wk = _between(self.base.ks, kk) if kk > 0 else (0, 0, 0.0)
             cell = [r[j0] + wk * (r[j1] - r[j0]) for r in (rows[i0], rows[i1])]
             predicted = cell[0] + w * (cell[1] - cell[0])

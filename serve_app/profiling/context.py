@@ -15,6 +15,7 @@ prompt set holds thousands of tokens per row. Cells whose rows do not fit the KV
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import random
 import statistics
@@ -46,10 +47,13 @@ def measure_context(models, batch_sizes: list[int], ks: list[int], contexts: lis
                     seed: int = 0, deadline_s: float | None = None) -> ContextGrid:
     """The draft's and the verification's median milliseconds per (context, batch size, k). A cell whose rows
     cannot be admitted (KV pool, context limit) or that is not reached by `deadline_s` stays None."""
+    # the model draft's own cost: rows copying from their context (prompt lookup) would run no forwards
+    models = dataclasses.replace(models, prompt_lookup=False)
     rng = random.Random(seed)
     vocab = models.target.config.vocab_size
     low, high = min(100, vocab // 4), max(vocab - 100, vocab // 2)
     steps_per_round = sum(2 * (k + 1) for k in ks) + 2
+    warmup = sum(k + 1 for k in ks)
     start = time.perf_counter()
     measured: list[float] = []
     draft = [[[None] * len(ks) for _ in batch_sizes] for _ in contexts]
@@ -62,11 +66,11 @@ def measure_context(models, batch_sizes: list[int], ks: list[int], contexts: lis
                 bar.update(1)
                 if deadline_s is not None and time.perf_counter() - start > deadline_s:
                     continue
-                need = c + reps * steps_per_round + max(ks) + 2
+                need = c + reps * steps_per_round + warmup + max(ks) + 2
                 try:
                     engine = _engine(models, b, max(ks), need)
                     backend = backend or engine.kv_pool.get("attention")
-                    params = SamplingParams(max_tokens=reps * steps_per_round, ignore_eos=True)
+                    params = SamplingParams(max_tokens=reps * steps_per_round + warmup, ignore_eos=True)
                     if b * need > engine.kv_capacity:  # the rows would wait for each other's KV forever
                         raise ValueError(f"{b} rows of {need} tokens need more KV than the pool's "
                                          f"{engine.kv_capacity} tokens")
@@ -82,6 +86,9 @@ def measure_context(models, batch_sizes: list[int], ks: list[int], contexts: lis
                     engine = reqs = seen = None
                     gc.collect()
                     continue
+                for k in ks:  # warm-up, not recorded: a new engine's first steps at each k run slow
+                    engine.policy = FixedK(k)
+                    engine.step()
                 samples: dict[int, list[StepStats]] = {k: [] for k in ks}
                 for _ in range(reps):
                     order = list(ks)

@@ -88,6 +88,8 @@ class ContextGrid(BaseModel):
         if len(points) == 1:
             return points[0][1]
         cs, vs = [p[0] for p in points], [p[1] for p in points]
+        for i in range(len(vs) - 2, -1, -1):  # more KV never makes a step cheaper: a shorter context's cell above a
+            vs[i] = min(vs[i], vs[i + 1])   # longer one's is noise (a slow spell), bounded by the longer cell
         c0, c1, w = _between(cs, context)
         return max(vs[c0] + w * (vs[c1] - vs[c0]), 1e-3)
 

@@ -1,0 +1,116 @@
+"""How `budget` and calibration price and learn from a step, fault by fault (each failed before its fix):
+1. a step's draft is priced by the forwards it ran (copy rows run none), counted in StepStats;
+2. steps at a k between the profiled ones (3, 5-8 against a startup profile's 0, 1, 2, 4) calibrate too;
+3. a plan whose walk kept nothing still ran its first forward, and says so;
+4. copies do not move the model draft's acceptance (the step's worth);
+5. constrained rows (grammar, forced tool calls) learn a curve of their own;
+6. a request missing from one step (its predicted output drafted for it) keeps its record."""
+
+import pytest
+import torch
+
+from conftest import IdTokenizer, tiny_llama
+from serve_app.config import EngineConfig, SamplingParams
+from serve_app.drafting import draft_worker
+from serve_app.engine.budget import Budget
+from serve_app.engine.draftplan import DraftPlan
+from serve_app.engine.lookup import CopyRecord
+from serve_app.engine.policy import BatchState
+from serve_app.engine.scheduler import Engine
+from serve_app.engine.stats import RowOutcomes, StepStats
+from serve_app.engine.worker import ModelWorker
+from serve_app.profiling.calibration import Calibration
+from serve_app.profiling.profiles import LatencyGrid
+
+KS = [0, 1, 2, 4]
+GRID = LatencyGrid(batch_sizes=[1, 8], ks=KS, draft_ms=[[0.5 + 3 * k for k in KS], [0.5 + 6 * k for k in KS]],
+                   verify_ms=[[20 + 2 * k for k in KS], [30 + 8 * k for k in KS]], other_ms=[[1.0] * 4, [1.0] * 4])
+
+
+def test_calibration_prices_the_draft_by_its_forwards_and_takes_every_k():
+    cal = Calibration(GRID, warmup=0, min_samples=4)
+    for i in range(24):
+        k = (3, 5, 4)[i % 3]  # plan steps between and past the profiled ks, each with one forward (rows copy)
+        st = StepStats(batch_size=8, k=k, draft_forwards=1, proposed=8 * k,
+                       draft_s=GRID.draft_ms[1][1] / 1000, verify_s=(30 + 8 * k) / 1000,  # the grid's verification is linear in k
+                       other_s=0.001)
+        assert cal.observe(st)
+    assert cal.factor("draft", 1) == pytest.approx(1.0, abs=1e-6)  # one forward, priced as one
+    assert cal.factor("verify", 1) == pytest.approx(1.0, abs=1e-6)
+
+
+def drafting_engine(policy, prompt_lookup=False):
+    target, draft = tiny_llama(97, layers=2, seed=0), tiny_llama(97, layers=1, seed=1)
+    return Engine(ModelWorker(target, "target"), draft_worker(draft, prompt_lookup=prompt_lookup), IdTokenizer(),
+                  EngineConfig(max_batch_size=4, max_k=6), policy=policy, eos_ids=set())
+
+
+class Plans:
+    name = "plans"
+
+    def __init__(self, plan):
+        self.plan, self.seen = plan, []
+
+    def choose(self, state):
+        return self.plan(state.batch_size)
+
+    def observe(self, stats):
+        self.seen.append(stats)
+
+
+def test_steps_count_the_draft_forwards_they_ran(monkeypatch):
+    # a plan whose prices keep nothing: k = 0 reported, but the first forward ran over every row
+    nothing = Plans(lambda b: DraftPlan(caps=[4] * b, token_value=1.5))
+    engine = drafting_engine(nothing)
+    engine.run([engine.submit([1, 2, 3], SamplingParams(max_tokens=6)), engine.submit([4, 5], SamplingParams(max_tokens=6))])
+    decoding = [s for s in nothing.seen if s.batch_size]
+    assert decoding and all(s.k == 0 and s.draft_forwards == 1 for s in decoding)
+    # fixed k = 4 with every row copying from its context after the first position: one forward, not four
+    monkeypatch.setattr(CopyRecord, "estimate", lambda self, n: 1.0)
+    fixed = Plans(lambda b: 4)
+    engine = drafting_engine(fixed, prompt_lookup=True)
+    engine.run([engine.submit([5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(max_tokens=12))])
+    copied = [s for s in fixed.seen if s.k == 4]
+    assert copied and min(s.draft_forwards for s in copied) == 1
+    assert max(s.draft_forwards for s in copied) <= 4
+
+
+def rows(copied=False, constrained=False, accepted=0):
+    return RowOutcomes(list("ab"), [2, 2], [accepted] * 2, [[0.95, 0.95]] * 2, [copied] * 2, [constrained] * 2)
+
+
+def test_copies_do_not_move_the_model_drafts_acceptance():
+    pol = Budget(GRID, 0.5)
+    before = pol.acceptance_estimate
+    for _ in range(50):
+        pol.observe(StepStats(batch_size=2, k=2, proposed=4, accepted=4, rows=rows(copied=True, accepted=2)))
+    assert pol.acceptance_estimate == pytest.approx(before)
+    assert pol.lookup_curve(0.95) > 0.9  # the copies' own curve learned them
+    for _ in range(50):
+        pol.observe(StepStats(batch_size=2, k=2, proposed=4, accepted=0, rows=rows()))
+    assert pol.acceptance_estimate < before
+
+
+def test_constrained_rows_learn_a_curve_of_their_own():
+    pol = Budget(GRID, 0.5)
+    for _ in range(80):  # forced tokens under a grammar: sure and accepted; free text at the same confidence: not
+        pol.observe(StepStats(batch_size=2, k=2, proposed=4, accepted=4, rows=rows(constrained=True, accepted=2)))
+        pol.observe(StepStats(batch_size=2, k=2, proposed=4, accepted=0, rows=rows()))
+    assert pol.constrained_curve(0.95) > 0.8 and pol.curve(0.95) < 0.2
+    plan = pol.choose(BatchState(2, 4, True, ("a", "b"), constrained=(True, False)))
+    if isinstance(plan, DraftPlan):  # the plan maps each row's confidence through its own curve
+        assert plan.estimate(0, 0.95) > 0.8 > 0.2 > plan.estimate(1, 0.95)
+    plain = DraftPlan(caps=[2, 2], curve=[0.1] * 10, constrained=[True, False], constrained_curve=[0.9] * 10)
+    assert plain.estimate(0, 0.5) == pytest.approx(0.9) and plain.estimate(1, 0.5) == pytest.approx(0.1)
+
+
+def test_a_request_missing_from_one_step_keeps_its_record():
+    pol = Budget(GRID, 0.5)
+    pol.choose(BatchState(2, 4, True, ("a", "b")))
+    pol.requests["a"].accepted, pol.requests["a"].predicted = 10.0, 2.0
+    pol.choose(BatchState(1, 4, True, ("b",)))  # "a" drafted from its predicted output this step
+    pol.choose(BatchState(2, 4, True, ("a", "b")))
+    assert pol.requests["a"].accepted == 10.0 and pol.requests["a"].scale > 1.5
+    for i in range(400):  # finished requests do not pile up
+        pol.choose(BatchState(1, 4, True, (f"r{i}",)))
+    assert len(pol.requests) < 400
