@@ -79,7 +79,7 @@ class Router:
         self.local: Profile | None = None  # a startup profile of this machine (EngineConfig.startup_profile)
         self.startup: dict | None = None  # what it cost and found, for stats()
         self.engine = Engine(target, draft, load_tokenizer(mc.target), self.engine_config, self._policy())
-        if self.engine_config.startup_profile and has_draft and not self._measured_here():
+        if has_draft and self._wants_startup_profile():
             await asyncio.to_thread(self._startup_profile)
         self.engine.on_step.append(self._on_step)
         self.engine.repair = self._repair
@@ -218,6 +218,23 @@ class Router:
             return
         shared = calibrated_profile(policy.profile, policy.calibration, self.machine)
         await self.store.share.remote(shared.model_dump(), self.profile_version)
+
+    def _wants_startup_profile(self) -> bool:
+        """EngineConfig.startup_profile: True when no profile measured here is held; None (default) when the
+        policy needs a profile and none usable is held (missing, another pair or dtype, no latency grid)."""
+        want = self.engine_config.startup_profile
+        if want is not None:
+            return want and not self._measured_here()
+        if not needs_profile(self.engine_config.policy):
+            return False
+        try:
+            if self.profile is None:
+                return True
+            self.profile.check_pair(*self.model_pair, self.dtype)
+            make_policy(self.engine_config.policy, self.profile)
+            return False
+        except ValueError:
+            return True
 
     def _measured_here(self) -> bool:
         return self.profile is not None and self.profile.source == "measured" and self.profile.machine == self.machine

@@ -216,6 +216,19 @@ def _parser() -> argparse.ArgumentParser:
     bx.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/bench-context-<hardware type>)")
     bx.set_defaults(func=_cmd_bench_context)
 
+    br = bsub.add_parser("replay", help="policies on a virtual clock (the profile's cost model): deterministic "
+                                        "latency and work per 1k tokens on (b), (d), (e), and a closed-loop grid")
+    _model_args(br)
+    br.add_argument("--profile", default=None, help="profile JSON (default profiles/<hardware type>.json)")
+    br.add_argument("--policies", default="none,fixed:1,fixed:2,fixed:3,fixed:4,lut,adaptive,budget")
+    br.add_argument("--parts", default="b,d,e", help="of b (time-varying chat), d (mixed bursts), e (long documents)")
+    br.add_argument("--scale", type=float, default=0.3, help="schedule length (1.0: bench policies' full length)")
+    br.add_argument("--grid-batches", default="1,4,16", help="the closed-loop grid's batch sizes ('' skips the grid)")
+    br.add_argument("--grid-contexts", default="64,512,2048", help="the grid's document lengths in tokens")
+    br.add_argument("--seed", type=int, default=0)
+    br.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/bench-replay-<hardware type>)")
+    br.set_defaults(func=_cmd_bench_replay)
+
     bw = bsub.add_parser("proposal-width", help="a sampled row's top-N draft proposal: exact acceptance against the "
                                                  "full distribution; the coupled sampler's noise against iid Gumbel")
     bw.add_argument("--prompts", type=int, default=16)
@@ -739,6 +752,46 @@ def _cmd_bench_context(args) -> int:
     if args.into:
         merge_into_profile(args.into, results["grid"])
         print(f"context axis added to {args.into}")
+    return 0
+
+
+def _cmd_bench_replay(args) -> int:
+    import random
+
+    from tqdm import tqdm
+
+    from serve_app.bench import replay as rp
+    from serve_app.bench.policies import mixed_jobs, varying_jobs
+    from serve_app.models import load_models
+    from serve_app.profiling.profiles import detect_gpu_type, load_profile
+
+    models = load_models(_bench_model(args))
+    profile = load_profile(args.profile or f"profiles/{detect_gpu_type()}.json")
+    if profile.latency is None:
+        raise UsageError("replay needs a profile with a latency grid (its cost model)")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    tok, parts = models.tokenizer, {}
+    for name in [p.strip() for p in args.parts.split(",") if p.strip()]:
+        rng = random.Random(args.seed)
+        if name == "b":
+            parts[name] = varying_jobs(tok, rng, args.scale)[0]
+        elif name == "d":
+            parts[name] = mixed_jobs(tok, random.Random(args.seed + 1), args.scale)[0]
+        elif name == "e":
+            parts[name] = rp.long_jobs(tok, rng, args.scale)
+        else:
+            raise UsageError(f"--parts: unknown part {name!r} (b, d, e)")
+    batches = int_list(args.grid_batches, "--grid-batches") if args.grid_batches else []
+    contexts = int_list(args.grid_contexts, "--grid-contexts") if batches else []
+    docs = {c: rp.document(tok, c, 1000 * c) for c in contexts}
+    res = {"gpu_type": profile.gpu_type, "target": profile.target, "draft": profile.draft, "policies": policies,
+           "scale": args.scale, "seed": args.seed}
+    with tqdm(total=len(parts) * len(policies) + len(batches) * len(contexts) * len(policies), desc="replay",
+              unit="run") as bar:
+        res["parts"] = rp.replay_parts(models, profile, policies, parts, bar=bar)
+        if batches:
+            res["grid"] = rp.replay_grid(models, profile, policies, batches, docs, bar=bar)
+    _write_bench(args, "replay", res, rp.markdown(res, policies))
     return 0
 
 

@@ -96,11 +96,13 @@ class EngineConfig(BaseModel):
     """lut, adaptive and budget steer by the profile's latency grid corrected by this replica's own measured
     steps (`profiling.calibration`): a machine slower or faster than the one that was profiled."""
 
-    startup_profile: bool = False
-    """When no profile measured on this very machine is held (none for the hardware type, or one measured on
-    another host), measure a short one before serving (`profiling.startup`: batch sizes 1 / 4 / 16, k 0 / 1
-    / 2 / 4; seconds on a CPU with the embedded pair) and steer by it; its cost is in the Router's
-    stats()["startup_profile"]. Off: steer by the held profile, corrected by calibration as traffic comes."""
+    startup_profile: bool | None = None
+    """Measure a short profile of this machine before serving (`profiling.startup`: batch sizes 1 / 4 / 16, k 0 /
+    1 / 2 / 4, and a long-context pass; well under a minute on a CPU with the embedded pair) and steer by it;
+    its cost is in the Router's stats()["startup_profile"]. None (the default): when the policy needs a profile
+    and none usable is held for this hardware type, model pair and dtype (rather than serving without
+    speculation). True: also when the held one was measured on another host. False: never; steer by the held
+    profile, corrected by calibration as traffic comes."""
 
     max_model_len: int | None = Field(None, ge=2)
     """Context limit in tokens (prompt + output). None: the target's max_position_embeddings, capped at 4096."""

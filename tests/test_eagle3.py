@@ -108,10 +108,11 @@ def test_greedy_identical_to_target_alone(target, draft, k):
     assert engine.running == [] and engine.draft.order == [] and engine.draft.seqs == {}
 
 
-def test_sampled_tokens_follow_the_target_distribution():
-    """Rejection sampling with the EAGLE draft stays exact: the second token's frequencies match the
-    target's distribution averaged over the first tokens drawn. (A peaked target, so a wrong sampler
-    would show: the frequencies are far from uniform.)"""
+def test_seeded_sampled_tokens_follow_the_target_distribution():
+    """Seeded requests with the EAGLE draft (the coupled sampler, not rejection sampling: that one is checked
+    unseeded, with a planted-bias control, in tests/test_exactness.py) stay exact: the second token's
+    frequencies match the target's distribution averaged over the first tokens drawn. (A peaked target, so a
+    wrong sampler would show: the frequencies are far from uniform.)"""
     target = tiny_llama(97, layers=2, seed=0)
     with torch.no_grad():
         target.lm_head.weight.mul_(40)

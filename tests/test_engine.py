@@ -204,8 +204,10 @@ def test_seeded_sampling_is_reproducible_across_batch_mixes(tiny_target, tiny_dr
     assert other.output_ids != alone
 
 
-def test_speculative_sampling_follows_target_distribution():
-    """Tokens 2 and 3 (decided by draft + rejection sampling) match the target's exact marginals."""
+def test_seeded_speculative_sampling_follows_target_distribution():
+    """Tokens 2 and 3 of seeded requests (the coupled sampler: each token is the target's own Gumbel-max choice
+    over its whole distribution, so a draft only speeds it) match the target's exact marginals. Unseeded
+    requests take rejection sampling: tests/test_exactness.py checks those, with a planted-bias control."""
     vocab, trials = 6, 3000
     target, draft = sharp_pair(vocab, 40)
     prompt = [1, 2, 3]

@@ -106,13 +106,14 @@ def test_draft_scores_its_backlog_after_steps_without_speculation(tiny_target, r
     assert 0 < spec[0].backlog_matched <= spec[0].backlog_checked
 
 
-def test_sampled_tokens_follow_the_target_distribution(tiny_target):
-    """Many seeded requests at one context: the joint distribution of the first three emitted tokens
+def test_seeded_sampled_tokens_follow_the_target_distribution(tiny_target):
+    """Many seeded requests at one context (the coupled sampler; unseeded rejection sampling with the n-gram
+    draft is checked in tests/test_exactness.py): the joint distribution of the first three emitted tokens
     matches the target's own (temperature 0.1, top-k 2: the tiny model's logits are nearly flat, this
     makes its top token about 70% likely), computed exactly from its forwards. The first comes from
     prefill, the next two from one speculation step whose drafts get accepted often (the prompt ends
-    inside the target's own greedy loop, which the draft copies), so both the accept and
-    the residual paths of rejection sampling with a one-hot q are exercised. A greedy row shares the
+    inside the target's own greedy loop, which the draft copies), so drafts are accepted
+    and rejected often. A greedy row shares the
     batch (its q rows are zeros) and must still match greedy decoding."""
     seed_prompt = [1, 2, 3]
     (greedy,) = reference(tiny_target, [seed_prompt], 30)

@@ -250,3 +250,14 @@ def test_startup_profile_measures_a_small_grid_on_the_serving_engine_and_leaves_
     req = engine.submit([3, 4, 5], SamplingParams(max_tokens=4))
     engine.run([req])
     assert req.stats.generated_tokens == 4
+    # the long-context pass: a second point on the context axis (rows of LONG_CONTEXT tokens; this tiny model's
+    # context limit is short, so a shorter "long" context here), every cell timed
+    import serve_app.profiling.startup as startup
+
+    startup.LONG_CONTEXT = 120
+    try:
+        ctx = short_profile(engine, "cpu-test", "t", "d", "float32").latency.context
+    finally:
+        startup.LONG_CONTEXT = 512
+    assert ctx is not None and len(ctx.contexts) == 2 and ctx.contexts[1] >= 120 and ctx.layout == "padded"
+    assert all(v > 0 for row in ctx.verify_ms[1] for v in row) and not engine.has_work()

@@ -70,14 +70,11 @@ class Calibration:
         k_rows = st.proposed / st.batch_size if st.rows is not None else st.k
         context = self.context_of(st)
         for part, seconds in zip(PARTS, (st.draft_s, st.verify_s, st.other_s)):
-            rows = getattr(self.base, f"{part}_ms")
-            # the draft by the forwards it ran (a grid cell at k ran k), the rest by the tokens verified
+            # the draft by the forwards it ran (a grid cell at k ran k), the rest by the tokens verified, each at
+            # the context this step served
             kk = forwards if part == "draft" else k_rows
+            predicted = self.base.part_at(part, st.batch_size, kk, context)
             j0, j1, wk = _between(self.base.ks, kk) if kk > 0 else (0, 0, 0.0)
-            cell = [r[j0] + wk * (r[j1] - r[j0]) for r in (rows[i0], rows[i1])]
-            predicted = cell[0] + w * (cell[1] - cell[0])
-            if context is not None and part != "other":  # the grid's cell at the context this step served
-                predicted *= self.base.context.scale(part, st.batch_size, kk, context, self.base.context_tokens)
             if predicted > 0.05 and seconds > 0:  # a part the grid prices at ~0 says nothing
                 jj = j0 if wk < 0.5 else j1
                 self.samples[(part, group)].append((jj, math.log(seconds * 1000 / predicted)))
@@ -178,6 +175,22 @@ class Calibration:
         new = self.grid().total_ms()
         return max((abs(n / o - 1) for nr, orow in zip(new, self.base.total_ms()) for n, o in zip(nr, orow) if o > 0),
                    default=0.0)
+
+
+def step_cost_ms(grid: LatencyGrid, st: StepStats) -> float:
+    """What the grid says a step took, priced the way calibration prices it: the draft by the forwards it ran,
+    verification and the rest by the mean tokens drafted per row, each at the step's context, plus the chunked
+    prefill's price for the prompt tokens it fed. The cost model of `bench replay`'s virtual clock."""
+    b = st.batch_size
+    draft = st.draft_s > 0 or st.draft_forwards > 0 or st.k > 0
+    prefill = (grid.chunk_ms(max(b, 1), st.prefill_tokens, draft) or 0.0) if st.prefill_tokens else 0.0
+    if not b:
+        return prefill
+    context = grid.context.context_of(list(st.contexts)) if grid.context is not None and st.contexts else None
+    forwards = st.draft_forwards or st.k
+    k_rows = st.proposed / b
+    return (grid.part_at("draft", b, forwards, context) + grid.part_at("verify", b, k_rows, context)
+            + grid.part_at("other", b, k_rows) + prefill)
 
 
 class Calibrated:

@@ -234,6 +234,19 @@ class LatencyGrid(BaseModel):
         sd, sv = self.context_scales(batch_size, context)
         return [d * s for d, s in zip(draft, sd)], [v * s for v, s in zip(verify, sv)], other
 
+    def part_at(self, part: str, batch_size: float, k: float, context: float | None = None) -> float:
+        """One part's milliseconds (draft, verify, other) at any batch size and k (linear between the measured
+        ones, k between its columns: a plan's mean drafted length, a startup profile's missing k), scaled to
+        `context` where the grid has a context axis."""
+        rows = getattr(self, f"{part}_ms")
+        i0, i1, w = _between(self.batch_sizes, max(batch_size, 1))
+        j0, j1, wk = _between(self.ks, k) if k > 0 else (0, 0, 0.0)
+        lo, hi = (r[j0] + wk * (r[j1] - r[j0]) for r in (rows[i0], rows[i1]))
+        v = max(lo + w * (hi - lo), 0.0)
+        if context is not None and part != "other" and self.context is not None and self.context_tokens is not None:
+            v *= self.context.scale(part, batch_size, k, context, self.context_tokens)
+        return v
+
     def context_scales(self, batch_size: int, context: float | None) -> tuple[list[float], list[float]]:
         """Per k, the draft's and the verification's time at `context` over their time at the grid's own context
         (`context_tokens`): all 1 without a context axis or a context."""

@@ -1,0 +1,255 @@
+"""`specserve bench replay`: the policies on a virtual clock, apart from the machine's noise.
+
+Wall-clock comparisons of policies on a 2-core machine swing ~19% a round: a 3% effect needs ~150 rounds.
+Replay runs the real engine, models and policies (greedy requests, seeded arrivals), but its clock advances
+by what the cost model says each step took (`calibration.step_cost_ms`: the profile's grid at the step's batch,
+draft forwards, drafted tokens per row and context, plus its prefill), not by wall time. Requests arrive when
+the virtual clock reaches their time. The run is deterministic: the same command gives the same figures on
+any machine, so a policy's quality is measured exactly, given the cost model (validated by `bench costmodel`,
+in `results/`, against measured steps).
+
+Parts:
+- (b) time-varying chat, (d) bursts of mixed chat / JSON / rewrites, (e) long documents between short chat
+  (`bench policies`' schedules, and `long_jobs`): mean latency per policy, and per 1k output tokens the target
+  forwards, verified tokens, draft forward-rows, KV tokens attended, and accepted per drafted token;
+- grid: closed loop at batch b x context c (b streams, each a document of about c tokens then a short answer,
+  resubmitted as it ends): output tokens per virtual second per policy, and each cell's best fixed k (the
+  oracle) for reference.
+
+Policies run uncalibrated: the cost model is the machine here, so the profile's prices are exact for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from serve_app.config import EngineConfig
+from serve_app.engine.policy import make_policy
+from serve_app.engine.scheduler import Engine
+from serve_app.engine.stats import StepStats
+from serve_app.profiling.calibration import step_cost_ms
+
+MAX_K = 8
+CORPUS = Path(__file__).resolve().parents[2] / "corpora" / "smollm2-135m-instruct"
+"""The embedded target's own text (committed): the documents of (e) and the grid."""
+
+LONG_PHASES = [(0.4, 10), (10.0, 2.0), (0.3, 8), (6.0, 3.0)]
+"""(e)'s arrival rate (requests/s) and length (s) per phase: single requests, then bursts (batch 16-32)."""
+
+
+def document(tokenizer, tokens: int, offset: int = 0) -> list[int]:
+    """A chat prompt about a document of about `tokens` tokens (the target's own text from the committed corpus;
+    offset picks where in it), asking for a short summary."""
+    import numpy as np
+
+    from serve_app.bench.prompt_sets import chat_prompts
+    from serve_app.drafting.corpus import load_corpus
+
+    ids = np.concatenate([s.ids[s.prompt_len:] for s in load_corpus(CORPUS)])
+    offset %= max(len(ids) - tokens, 1)
+    text = tokenizer.decode(ids[offset: offset + tokens].tolist(), skip_special_tokens=True)
+    return chat_prompts(tokenizer, [f"Here is a document.\n\n{text}\n\nSummarize it in two sentences."])[0]
+
+
+def long_jobs(tokenizer, rng, scale: float) -> list:
+    """(e) document questions and summaries (prompts of 200-3,000 tokens) between short chat, in phases of
+    single requests and bursts: the best fixed k differs by context."""
+    from serve_app.bench.policies import LATENCY_PROMPTS, Job
+    from serve_app.bench.prompt_sets import chat_prompts
+
+    jobs, t = [], 0.0
+    for rate, length in LONG_PHASES:
+        end = t + length * scale
+        at = t + rng.expovariate(rate)
+        while at < end:
+            if rng.random() < 0.5:
+                n = int(200 * 15 ** rng.random())  # 200-3,000 tokens, log-uniform
+                jobs.append(Job(document(tokenizer, n, rng.randrange(1 << 20)), rng.randint(24, 64), at, "document"))
+            else:
+                text = LATENCY_PROMPTS[rng.randrange(len(LATENCY_PROMPTS))]
+                jobs.append(Job(chat_prompts(tokenizer, [text])[0], rng.randint(16, 64), at, "chat"))
+            at += rng.expovariate(rate)
+        t = end
+    if not jobs:
+        raise ValueError("(e)'s schedule drew no requests at this --scale: raise it")
+    return jobs
+
+
+@dataclass
+class Replay:
+    """One policy's run on the virtual clock."""
+
+    policy: str
+    latencies: list[float] = field(default_factory=list)
+    """Per request: virtual seconds from its arrival to its last token."""
+    kinds: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    """Virtual seconds from the first arrival to the last token."""
+    tokens: int = 0
+    counts: dict = field(default_factory=lambda: {"target_forwards": 0, "verified_tokens": 0, "draft_forward_rows": 0,
+                                                  "kv_tokens_attended": 0, "proposed": 0, "accepted": 0})
+
+    @property
+    def mean_latency(self) -> float:
+        return statistics.fmean(self.latencies) if self.latencies else 0.0
+
+    def per_1k(self) -> dict:
+        """Work per 1,000 output tokens, and accepted per drafted token."""
+        c, n = self.counts, max(self.tokens, 1) / 1000
+        return {"target_forwards": c["target_forwards"] / n, "verified_tokens": c["verified_tokens"] / n,
+                "draft_forward_rows": c["draft_forward_rows"] / n, "kv_tokens_attended": c["kv_tokens_attended"] / n,
+                "accepted_per_drafted": c["accepted"] / c["proposed"] if c["proposed"] else 0.0}
+
+
+def _engine(models, profile, policy: str, max_batch: int) -> Engine:
+    if policy == "none":
+        models = dataclasses.replace(models, draft=None)
+    return Engine.from_models(models, EngineConfig(max_batch_size=max_batch, max_k=MAX_K), make_policy(policy, profile))
+
+
+def _account(rep: Replay, st: StepStats) -> None:
+    c = rep.counts
+    c["target_forwards"] += 1
+    c["verified_tokens"] += st.batch_size + st.proposed
+    c["draft_forward_rows"] += (st.draft_forwards or 0) * st.batch_size
+    c["kv_tokens_attended"] += sum(st.contexts) * (1 + (st.proposed / st.batch_size if st.batch_size else 0))
+    c["proposed"] += st.proposed
+    c["accepted"] += st.accepted
+
+
+def replay(models, profile, policy: str, jobs: list, max_batch: int = 32) -> Replay:
+    """The jobs (bench.policies.Job: prompt, max_tokens, arrival, kind) through the engine on the virtual clock."""
+    engine = _engine(models, profile, policy, max_batch)
+    grid = profile.latency
+    rep, seen = Replay(policy), []
+    engine.on_step.append(seen.append)
+    order = sorted(range(len(jobs)), key=lambda i: jobs[i].at)
+    arrival: dict[str, tuple[float, str]] = {}
+    clock, i = jobs[order[0]].at if order else 0.0, 0
+    start = clock
+    while i < len(order) or engine.has_work():
+        while i < len(order) and jobs[order[i]].at <= clock + 1e-12:
+            j = jobs[order[i]]
+            arrival[engine.submit(j.prompt, j.params()).id] = (j.at, j.kind)
+            i += 1
+        if not engine.has_work():
+            clock = jobs[order[i]].at
+            continue
+        seen.clear()
+        outs = engine.step()
+        for st in seen:
+            clock += step_cost_ms(grid, st) / 1000
+            if st.batch_size:
+                _account(rep, st)
+        for req, out in outs:
+            if out.finished:
+                at, kind = arrival.pop(req.id)
+                rep.latencies.append(clock - at)
+                rep.kinds.append(kind)
+                rep.tokens += req.stats.generated_tokens
+    rep.seconds = clock - start
+    return rep
+
+
+def closed_cell(models, profile, policy: str, batch: int, prompt: list[int], max_tokens: int, requests: int) -> float:
+    """Output tokens per virtual second with `batch` streams, each sending `prompt` (a document of the cell's
+    context) for `max_tokens` tokens, then again, until `requests` have been served."""
+    engine = _engine(models, profile, policy, batch)
+    from serve_app.config import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    seen: list[StepStats] = []
+    engine.on_step.append(seen.append)
+    sent, clock, tokens = 0, 0.0, 0
+    live = 0
+    while sent < requests or engine.has_work():
+        while live < batch and sent < requests:
+            engine.submit(prompt, params)
+            sent, live = sent + 1, live + 1
+        seen.clear()
+        for req, out in engine.step():
+            if out.finished:
+                live -= 1
+                tokens += req.stats.generated_tokens
+        clock += sum(step_cost_ms(profile.latency, st) for st in seen) / 1000
+    return tokens / clock if clock else 0.0
+
+
+def replay_parts(models, profile, policies: list[str], parts: dict[str, list], max_batch: int = 32,
+                 bar: tqdm | None = None) -> dict:
+    """Each part's jobs under each policy: mean latency (overall and by kind), tokens per virtual second, work
+    per 1k output tokens; each policy's ratio to the best fixed k (its mean latency)."""
+    out = {}
+    for name, jobs in parts.items():
+        runs = {}
+        for p in policies:
+            runs[p] = replay(models, profile, p, jobs, max_batch)
+            if bar is not None:
+                bar.update(1)
+        fixed = {p: r.mean_latency for p, r in runs.items() if p.startswith("fixed:")}
+        best = min(fixed, key=fixed.get) if fixed else None
+        rows = {}
+        for p, r in runs.items():
+            by_kind = {}
+            for lat, kind in zip(r.latencies, r.kinds):
+                by_kind.setdefault(kind, []).append(lat)
+            rows[p] = {"mean_latency_s": r.mean_latency, "tokens_per_s": r.tokens / r.seconds if r.seconds else 0.0,
+                       "by_kind": {k: statistics.fmean(v) for k, v in by_kind.items()}, "per_1k": r.per_1k(),
+                       "vs_best_fixed": r.mean_latency / fixed[best] if best else None}
+        out[name] = {"requests": len(jobs), "best_fixed": best, "policies": rows}
+    return out
+
+
+def replay_grid(models, profile, policies: list[str], batches: list[int], documents: dict[int, list[int]],
+                max_tokens: int = 32, rounds: int = 2, bar: tqdm | None = None) -> dict:
+    """The closed-loop grid: tokens per virtual second per (batch, context) cell and policy, and each adaptive
+    policy's share of the cell's oracle (its best fixed k)."""
+    cells = []
+    for c, prompt in documents.items():
+        for b in batches:
+            rates = {}
+            for p in policies:
+                rates[p] = closed_cell(models, profile, p, b, prompt, max_tokens, rounds * b)
+                if bar is not None:
+                    bar.update(1)
+            fixed = {p: v for p, v in rates.items() if p.startswith("fixed:")}
+            oracle = max(fixed, key=fixed.get) if fixed else None
+            cells.append({"batch": b, "context": c, "tokens_per_s": rates, "oracle": oracle,
+                          "share_of_oracle": {p: v / fixed[oracle] for p, v in rates.items()} if oracle else {}})
+    return {"cells": cells}
+
+
+def markdown(res: dict, policies: list[str]) -> str:
+    lines = [f"# Policies on a virtual clock: {res['gpu_type']} profile, target {res['target']}, draft {res['draft']}", "",
+             "Deterministic: the engine, models and policies for real; each step's time from the profile's cost model "
+             "(`calibration.step_cost_ms`). Mean latency in virtual seconds; work per 1k output tokens.", ""]
+    for name, part in res.get("parts", {}).items():
+        kinds = sorted({k for row in part["policies"].values() for k in row["by_kind"]})
+        lines += [f"## ({name}) {part['requests']} requests; best fixed k: {part['best_fixed']}", "",
+                  "| policy | mean latency | vs best fixed | " + " | ".join(kinds) + " | tok/s | target fwd | verified tok | "
+                  "draft fwd-rows | KV attended | accepted/drafted |", "|---|---|---|" + "---|" * len(kinds) + "---|---|---|---|---|---|"]
+        for p in policies:
+            x = part["policies"][p]
+            w = x["per_1k"]
+            vs = f"{x['vs_best_fixed']:.3f}x" if x["vs_best_fixed"] else "-"
+            lines.append(f"| {p} | {x['mean_latency_s']:.2f}s | {vs} | " + " | ".join(f"{x['by_kind'].get(k, 0):.2f}s" for k in kinds)
+                         + f" | {x['tokens_per_s']:.0f} | {w['target_forwards']:.0f} | {w['verified_tokens']:.0f} | "
+                         f"{w['draft_forward_rows']:.0f} | {w['kv_tokens_attended'] / 1000:.0f}k | {w['accepted_per_drafted']:.2f} |")
+        lines.append("")
+    if res.get("grid"):
+        adaptive = [p for p in policies if not p.startswith("fixed:") and p != "none"]
+        lines += ["## Closed-loop grid: share of each cell's best fixed k (oracle) in tokens per virtual second", "",
+                  "| batch | context | oracle | " + " | ".join(adaptive) + " |", "|---|---|---|" + "---|" * len(adaptive)]
+        for cell in res["grid"]["cells"]:
+            lines.append(f"| {cell['batch']} | {cell['context']} | {cell['oracle']} | "
+                         + " | ".join(f"{cell['share_of_oracle'][p]:.3f}" for p in adaptive) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+__all__ = ["Replay", "closed_cell", "document", "long_jobs", "markdown", "replay", "replay_grid", "replay_parts"]

@@ -1,0 +1,51 @@
+"""`bench replay`: the real engine and policies on the cost model's virtual clock. Deterministic (the same run
+twice gives the same figures), the clock is the cost model's sum, and the work is counted per step."""
+
+import random
+
+import pytest
+
+from conftest import IdTokenizer, perturbed, tiny_llama
+from serve_app.bench.policies import Job
+from serve_app.bench.replay import closed_cell, replay, replay_parts
+from serve_app.engine.stats import StepStats
+from serve_app.models import LoadedModels
+from serve_app.profiling.calibration import step_cost_ms
+from serve_app.profiling.profiles import LatencyGrid, Profile
+
+KS = [0, 1, 2, 4]
+GRID = LatencyGrid(batch_sizes=[1, 8], ks=KS, draft_ms=[[0.0, 3, 6, 12], [0.0, 6, 12, 24]],
+                   verify_ms=[[20 + 2 * k for k in KS], [30 + 8 * k for k in KS]], other_ms=[[1.0] * 4, [1.0] * 4],
+                   chunk_step_ms=[5.0, 5.0], chunk_ms_per_token=[0.1, 0.1], chunk_budget=128, chunk_prompt_tokens=16)
+PROFILE = Profile(gpu_type="virtual", target="t", draft="d", best_k={1: 4, 8: 2}, latency=GRID,
+                  acceptance=[0.7, 0.5, 0.35, 0.25], acceptance_rate=0.7)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_llama(97, layers=2, seed=0)
+    return LoadedModels(target, perturbed(target, 0.02), IdTokenizer(), "t", "d")
+
+
+def test_a_steps_cost_is_the_grid_at_its_forwards_tokens_and_prefill():
+    st = StepStats(batch_size=8, k=4, draft_forwards=2, proposed=8 * 3, prefill_tokens=40)
+    # draft: 2 forwards at batch 8 = 12; verify at 3 tokens a row = 30 + 24; other 1; prefill 5 + 40 x 0.1
+    assert step_cost_ms(GRID, st) == pytest.approx(12 + 54 + 1 + 9)
+    assert step_cost_ms(GRID, StepStats(prefill_tokens=16)) == pytest.approx(5 + 1.6)  # a prefill alone
+
+
+def test_replay_is_deterministic_and_its_clock_is_the_cost_models(models):
+    rng = random.Random(0)
+    jobs = [Job([rng.randrange(3, 90) for _ in range(rng.randint(3, 12))], rng.randint(4, 16), at=0.05 * i)
+            for i in range(12)]
+    a, b = replay(models, PROFILE, "adaptive", jobs, 4), replay(models, PROFILE, "adaptive", jobs, 4)
+    assert a.latencies == b.latencies and a.counts == b.counts and a.seconds == b.seconds
+    assert len(a.latencies) == 12 and min(a.latencies) > 0.02  # at least one decode step each, 21 ms or more
+    assert a.tokens == sum(j.max_tokens for j in jobs)
+    none = replay(models, PROFILE, "none", jobs, 4)
+    assert none.counts["proposed"] == 0 and none.counts["draft_forward_rows"] == 0
+    assert a.counts["proposed"] > 0 and 0 < a.counts["accepted"] <= a.counts["proposed"]
+    res = replay_parts(models, PROFILE, ["fixed:1", "fixed:2", "adaptive"], {"x": jobs}, 4)["x"]
+    assert res["best_fixed"] in ("fixed:1", "fixed:2")
+    assert res["policies"][res["best_fixed"]]["vs_best_fixed"] == 1.0
+    assert closed_cell(models, PROFILE, "fixed:2", 4, list(range(3, 40)), 8, 8) > 0
