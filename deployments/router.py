@@ -225,16 +225,18 @@ class Router:
         want = self.engine_config.startup_profile
         if want is not None:
             return want and not self._measured_here()
-        if not needs_profile(self.engine_config.policy):
+        return needs_profile(self.engine_config.policy) and not self._usable(self.profile)
+
+    def _usable(self, profile) -> bool:
+        """The profile is for this pair and dtype and holds what the policy reads."""
+        if profile is None:
             return False
         try:
-            if self.profile is None:
-                return True
-            self.profile.check_pair(*self.model_pair, self.dtype)
-            make_policy(self.engine_config.policy, self.profile)
-            return False
-        except ValueError:
+            profile.check_pair(*self.model_pair, self.dtype)
+            make_policy(self.engine_config.policy, profile)
             return True
+        except ValueError:
+            return False
 
     def _measured_here(self) -> bool:
         return self.profile is not None and self.profile.source == "measured" and self.profile.machine == self.machine
@@ -263,9 +265,9 @@ class Router:
             try:
                 if self.profile is None and self.local is None:
                     raise ValueError(f"no profile for hardware type {self.gpu_type} yet")
-                # a measured profile of this machine; else its startup profile; else one another replica of the
+                # a usable profile measured on this machine; else its startup profile; else one another replica of the
                 # type calibrated and shared; else the held one
-                if self.local is not None and not self._measured_here():
+                if self.local is not None and not (self._measured_here() and self._usable(self.profile)):
                     base = self.local
                 elif self.engine_config.calibrate:
                     base = steering_profile(self.profile, self.shared, self.machine)

@@ -449,15 +449,20 @@ def test_eagle3_head_across_actors_gives_the_target_alone_text(service, eagle_cl
     assert st["policy"] == "fixed:3" and st["k_steps"].get(3, 0) > 0  # it speculated, with the head's proposals
 
 
-def test_a_replica_with_no_profile_of_its_machine_measures_one_at_startup_and_drafts_per_row(service, tmp_path):
-    """EngineConfig.startup_profile: a group whose store holds no profile measures a short one before it
-    serves, steers `budget` by it (no profile problem, k > 0 steps), reports its cost and regret, and its
-    greedy text is the target's alone."""
+def test_a_replica_with_no_usable_profile_measures_one_at_startup_and_drafts_per_row(service, tmp_path):
+    """EngineConfig.startup_profile (its default): a group whose store holds no usable profile (here one measured
+    on this very host, but in float32 for a float64 engine) measures a short one before it serves instead of
+    decoding without speculation, steers `budget` by it (no profile problem, k > 0 steps), reports its cost and
+    regret, and its greedy text is the target's alone."""
+    import socket
+
     from deployments.app import build_app
 
-    cfg = {"model": service["model"], "engine": {"policy": "budget", "startup_profile": True, "max_batch_size": 4},
+    (tmp_path / "profiles").mkdir()
+    write_profile(tmp_path / "profiles" / "P.json", "P", 2, dtype="float32", machine=socket.gethostname())
+    cfg = {"model": service["model"], "engine": {"policy": "budget", "max_batch_size": 4},
            "groups": [{"name": "P", "gpu_type": "P", "torch_threads": 1}],
-           "served_model_name": "tiny-p", "profiles_dir": None, "max_tokens_limit": 64}
+           "served_model_name": "tiny-p", "profiles_dir": str(tmp_path / "profiles"), "max_tokens_limit": 64}
     serve.run(build_app(cfg), name="startup", route_prefix="/startup")
     try:
         client = OpenAI(base_url=f"{service['url']}/startup/v1", api_key="unused", max_retries=0, timeout=120)
