@@ -39,9 +39,7 @@ class BatchState:
     def context_for(self, grid: LatencyGrid | None) -> float | None:
         """The context this step is priced at under `grid`'s context axis (rows' mean or longest, by the
         attention layout it measured); None without an axis or rows."""
-        if grid is None or grid.context is None or not self.contexts:
-            return None
-        return grid.context.context_of(list(self.contexts))
+        return None if grid is None else grid.step_context(self.contexts)
 
 
 class Policy(Protocol):

@@ -68,7 +68,7 @@ class Calibration:
         # a per-row plan drafts st.k forwards but verifies fewer tokens: its verification and the rest are
         # priced at the mean drafted length, between the grid's k columns
         k_rows = st.proposed / st.batch_size if st.rows is not None else st.k
-        context = self.context_of(st)
+        context = self.base.step_context(st.contexts)  # None without a context axis: cells stand for every context
         for part, seconds in zip(PARTS, (st.draft_s, st.verify_s, st.other_s)):
             # the draft by the forwards it ran (a grid cell at k ran k), the rest by the tokens verified, each at
             # the context this step served
@@ -81,13 +81,6 @@ class Calibration:
                 took = True
         self.used += took
         return took
-
-    def context_of(self, st: StepStats) -> float | None:
-        """The context a step is priced at (its rows' mean or longest KV, by the grid's attention layout); None
-        without a context axis (the grid's cells then stand for every context)."""
-        if self.base.context is None or not st.contexts or self.base.context_tokens is None:
-            return None
-        return self.base.context.context_of(list(st.contexts))
 
     def _chunk(self, st: StepStats, j: int, between, group: int) -> bool:
         """A step that prefilled: what it took beyond its decode part (priced by the calibrated grid, as a
@@ -186,7 +179,7 @@ def step_cost_ms(grid: LatencyGrid, st: StepStats) -> float:
     prefill = (grid.chunk_ms(max(b, 1), st.prefill_tokens, draft) or 0.0) if st.prefill_tokens else 0.0
     if not b:
         return prefill
-    context = grid.context.context_of(list(st.contexts)) if grid.context is not None and st.contexts else None
+    context = grid.step_context(st.contexts)
     forwards = st.draft_forwards or st.k
     k_rows = st.proposed / b
     return (grid.part_at("draft", b, forwards, context) + grid.part_at("verify", b, k_rows, context)

@@ -234,6 +234,13 @@ class LatencyGrid(BaseModel):
         sd, sv = self.context_scales(batch_size, context)
         return [d * s for d, s in zip(draft, sd)], [v * s for v, s in zip(verify, sv)], other
 
+    def step_context(self, contexts) -> float | None:
+        """The context a step whose rows attend these KV lengths is priced at (their mean or longest, by the
+        attention layout the context axis measured); None without an axis, its reference context, or rows."""
+        if self.context is None or self.context_tokens is None or not contexts:
+            return None
+        return self.context.context_of(list(contexts))
+
     def part_at(self, part: str, batch_size: float, k: float, context: float | None = None) -> float:
         """One part's milliseconds (draft, verify, other) at any batch size and k (linear between the measured
         ones, k between its columns: a plan's mean drafted length, a startup profile's missing k), scaled to
