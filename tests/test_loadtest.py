@@ -314,7 +314,7 @@ def live(tmp_path_factory):
     (root / "profiles").mkdir()
     (root / "profiles" / "smoke-cpu.json").write_text(json.dumps(
         {"gpu_type": "smoke-cpu", "target": "target", "draft": "draft", "best_k": {"1": 4, "4": 2, "8": 1}}))
-    http_port, metrics_port = free_port(), free_port()
+    http_port = free_port()
     cfg = {
         "model": {"target": str(root / "target"), "draft": str(root / "draft"), "dtype": "float32"},
         "engine": {"policy": "lut", "max_batch_size": 8, "max_model_len": 200},
@@ -323,8 +323,8 @@ def live(tmp_path_factory):
     }
     saved = os.environ.get("RAY_metrics_report_interval_ms")
     os.environ["RAY_metrics_report_interval_ms"] = "1000"  # gauges every second: k over a 30 s run
-    ray.init(num_cpus=8, include_dashboard=False, _metrics_export_port=metrics_port, logging_level="ERROR",
-             log_to_driver=False)
+    ray.init(num_cpus=8, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    metrics_port = ray.nodes()[0]["MetricsExportPort"]  # the metrics agent's own choice: nothing can take it first
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         serve.run(build_app(cfg), name="specserve", route_prefix="/")

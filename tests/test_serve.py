@@ -56,7 +56,7 @@ def service(tmp_path_factory):
     (root / "profiles").mkdir()
     write_profile(root / "profiles" / "A.json", "A", 1)
     write_profile(root / "profiles" / "B.json", "B", 3)
-    http_port, metrics_ports = free_port(), [free_port() for _ in range(3)]
+    http_port = free_port()
     model_cfg = {"target": str(root / "target"), "draft": str(root / "draft"), "dtype": "float64"}
     cfg = {
         "model": model_cfg,
@@ -70,36 +70,39 @@ def service(tmp_path_factory):
     }
     # A head node and one worker node per "GPU type", each advertising it the way Ray does for real
     # GPUs (accelerator_type:<type>), with its logical GPUs (placement only: the models run on the CPU)
-    # and 4 units of a stand-in resource.
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 8, "resources": {"head": 1}, "include_dashboard": False, "metrics_export_port": metrics_ports[0]})
-    def add_node(g: str, port: int):
-        return cluster.add_node(num_cpus=4, num_gpus=GPUS[g], resources={f"gpu_{g}": 4, f"accelerator_type:{g}": 1},
-                                metrics_export_port=port)
+    # and 4 units of a stand-in resource. Each node's metrics agent binds a port of its own choosing (reported
+    # back): a port picked here and released could be taken by one of the cluster's own connections before
+    # the agent binds it, and a node whose agent cannot bind never starts (CI saw that).
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 8, "resources": {"head": 1}, "include_dashboard": False})
+    def add_node(g: str):
+        return cluster.add_node(num_cpus=4, num_gpus=GPUS[g], resources={f"gpu_{g}": 4, f"accelerator_type:{g}": 1})
 
-    nodes = {g: add_node(g, port) for g, port in zip("AB", metrics_ports[1:])}
-    ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": http_port})
-    from deployments.app import build_app
-    from deployments.ingress import OpenAIIngress
+    try:  # a setup that fails leaves no cluster behind for the modules after this one
+        nodes = {g: add_node(g) for g in "AB"}
+        ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": http_port})
+        from deployments.app import build_app
+        from deployments.ingress import OpenAIIngress
 
-    serve.run(build_app(cfg), name="specserve", route_prefix="/")
-    secured = OpenAIIngress.options(
-        name="SecuredIngress", ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": {"SPECSERVE_API_KEY": "sekret"}}}
-    ).bind([serve.get_deployment_handle("Router-A", "specserve")], ["A"], model_cfg["target"], MODEL, 128, 4)
-    serve.run(secured, name="secured", route_prefix="/secured")
-    url = f"http://127.0.0.1:{http_port}"
-    yield {"url": url, "root": root, "model": model_cfg, "cluster": cluster, "nodes": nodes, "add_node": add_node,
-           "metrics": [f"http://127.0.0.1:{port}/metrics" for port in metrics_ports],
-           "client": OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)}
-    serve.shutdown()
-    ray.shutdown()
-    cluster.shutdown()
+        serve.run(build_app(cfg), name="specserve", route_prefix="/")
+        secured = OpenAIIngress.options(
+            name="SecuredIngress", ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": {"SPECSERVE_API_KEY": "sekret"}}}
+        ).bind([serve.get_deployment_handle("Router-A", "specserve")], ["A"], model_cfg["target"], MODEL, 128, 4)
+        serve.run(secured, name="secured", route_prefix="/secured")
+        url = f"http://127.0.0.1:{http_port}"
+        yield {"url": url, "root": root, "model": model_cfg, "cluster": cluster, "nodes": nodes, "add_node": add_node,
+               "metrics": lambda: [f"http://127.0.0.1:{n.metrics_export_port}/metrics" for n in [cluster.head_node, *nodes.values()]],
+               "client": OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)}
+    finally:
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+        cluster.shutdown()
 
 
 def scrape(service) -> str:
     """Every node's Ray metrics: each Router exports from the node it runs on."""
-    return "\n".join(httpx.get(url).text for url in service["metrics"])
+    return "\n".join(httpx.get(url).text for url in service["metrics"]())
 
 
 def router(group):
@@ -1282,7 +1285,7 @@ def test_losing_a_node_moves_its_groups_traffic_to_the_other_group(service):
     assert r.status_code == 200 and r.json()["groups"]["B"]["down"] is True, r.text
     # A node of type B joins again: Serve starts group B's Router there, the ingress marks B up, and
     # B takes its share again.
-    service["nodes"]["B"] = service["add_node"]("B", free_port())
+    service["nodes"]["B"] = service["add_node"]("B")
     deadline = time.time() + 120
     while time.time() < deadline and not httpx.get(f"{service['url']}/readyz", timeout=30).json()["groups"]["B"]["ready"]:
         time.sleep(1)
