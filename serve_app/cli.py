@@ -368,7 +368,7 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("--shape", default=None, help="closed-loop users following a load shape (step, sine, spike, paper)")
     sm.add_argument("--trace", default=None, help="CSV of arrival_s,prompt_tokens,output_tokens (open loop)")
     sm.add_argument("--policy", default=None, help="comma-separated policies to compare (default none,fixed:1,fixed:2,"
-                                                   "lut,adaptive; with --validate also fixed:4 and fixed:8)")
+                                                   "lut,adaptive; with --validate also fixed:4, fixed:8 and budget)")
     sm.add_argument("--duration", type=float, default=None, help="simulated seconds of a shape (default its nominal length)")
     sm.add_argument("--users-scale", type=float, default=1.0, help="multiplies the shape's user counts")
     sm.add_argument("--prompt-tokens", default="64", help="closed loop: tokens per prompt, N or LOW-HIGH (uniform)")
@@ -385,9 +385,11 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("--out", default=None, help="writes results.json, summary.md (and k_batch.png) here "
                                                 "(default out/simulate, with --validate results/simulate-validate-<hardware>)")
     sm.add_argument("--validate", action="store_true",
-                    help="replay `bench policies` (b) for real on this machine and simulated from its profile, "
-                         "compare mean latency per policy; exit 1 when an error is over --tolerance or the order differs")
-    sm.add_argument("--tolerance", type=float, default=0.15, help="--validate: largest relative error allowed")
+                    help="replay `bench policies` (b) for real on this machine, simulated from its profile and replayed per "
+                         "row on a virtual clock: compare mean latency per policy, and every real step's time with the "
+                         "cost model's price by (batch, k, context); exit 1 when an error is over --tolerance, the "
+                         "order differs, or a bucket's median step error is over 10%")
+    sm.add_argument("--tolerance", type=float, default=0.10, help="--validate: largest relative error allowed")
     sm.add_argument("--tie", type=float, default=0.05,
                     help="--validate: policies the real run puts closer than this (relative) may come in either order")
     sm.add_argument("--scale", type=float, default=0.7, help="--validate: scales the schedule's length (as bench policies)")
@@ -763,7 +765,8 @@ def _cmd_bench_replay(args) -> int:
     from serve_app.bench import replay as rp
     from serve_app.bench.policies import mixed_jobs, varying_jobs
     from serve_app.models import load_models
-    from serve_app.profiling.profiles import detect_gpu_type, load_profile
+    from serve_app.hardware import detect_gpu_type
+    from serve_app.profiling.profiles import load_profile
 
     models = load_models(_bench_model(args))
     profile = load_profile(args.profile or f"profiles/{detect_gpu_type()}.json")
@@ -1051,10 +1054,10 @@ def _cmd_chaos(args) -> int:
 
 
 def _simulated_policies(policies: list[str]) -> None:
-    """The simulators model one k per step: a per-row policy is refused up front, not run wrong."""
+    """The fleet simulators model one k per step: a per-row policy is refused up front, not run wrong."""
     if "budget" in policies:
-        raise UsageError("simulate models one k per step for the whole batch; `budget` (a length per row) is not "
-                         "simulated yet: compare it for real with `specserve bench policies`")
+        raise UsageError("simulate models one k per step for the whole batch; `budget` (a length per row) is "
+                         "modelled by the row-aware replay: `specserve bench replay`, or `simulate --validate`")
 
 
 def _cmd_simulate(args) -> int:
@@ -1114,9 +1117,8 @@ def _cmd_simulate_validate(args) -> int:
     from serve_app.bench.simcheck import validate
     from serve_app.models import load_models
 
-    policies = [p.strip() for p in (args.policy or "none,fixed:1,fixed:2,fixed:4,fixed:8,lut,adaptive").split(",")
-                if p.strip()]
-    _simulated_policies(policies)
+    policies = [p.strip() for p in (args.policy or "none,fixed:1,fixed:2,fixed:4,fixed:8,lut,adaptive,budget").split(",")
+                if p.strip()]  # budget too: the row-aware replay models it (the one-k simulator leaves it out)
     if args.fleet or args.shape or args.trace or args.tolerance <= 0 or args.tie < 0 or args.scale <= 0 or args.repeat < 1:
         raise UsageError("--validate runs its own schedule on this machine: no --fleet, --shape or --trace; "
                          "--tolerance and --scale > 0, --tie >= 0, --repeat >= 1")
@@ -1179,7 +1181,8 @@ def _cmd_profiles_push(args) -> int:
 def find_profile(path: str | None, mc: ModelConfig):
     """The profile at `path`, else profiles/<this hardware type>.json; checked against the model pair."""
     from serve_app.models import model_names, resolve_dtype
-    from serve_app.profiling.profiles import detect_gpu_type, load_profile
+    from serve_app.hardware import detect_gpu_type
+    from serve_app.profiling.profiles import load_profile
 
     path = path or f"profiles/{detect_gpu_type()}.json"
     if not os.path.isfile(path):

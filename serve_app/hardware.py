@@ -1,4 +1,5 @@
-"""What the machine gives this process: the CPUs it may use, and waiting for a device's queued work.
+"""What the machine gives this process: the CPUs it may use, waiting for a device's queued work, and the
+hardware type's name profiles are stored under.
 
 Both read the same on a laptop and in a Kubernetes pod, on a CPU and on a GPU, so callers need no
 special cases: `available_cpus()` where they would write os.cpu_count(), `sync(device)` before every
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -66,3 +68,28 @@ def _read(file: Path) -> str | None:
         return file.read_text().strip()
     except OSError:
         return None
+
+
+def detect_gpu_type() -> str:
+    """`NVIDIA_H100`-style name of the first CUDA device (`gpu_type_name`), else `cpu-<N>core`."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return gpu_type_name(torch.cuda.get_device_name(0))
+    except Exception:  # no usable CUDA: profile as CPU
+        pass
+    return f"cpu-{os.cpu_count()}core"
+
+
+def gpu_type_name(device_name: str) -> str:
+    """The hardware type of a CUDA device name: its words up to the first one with a digit in it.
+
+    So memory and form-factor variants share one profile (`NVIDIA A100-SXM4-80GB` -> `NVIDIA_A100`,
+    `NVIDIA H100 80GB HBM3` -> `NVIDIA_H100`), while brand words stay in and the model number with
+    them (`NVIDIA GeForce RTX 4090` -> `NVIDIA_GeForce_RTX_4090`, not a `NVIDIA_GeForce` every
+    GeForce card would share). CPUs are named `cpu-<cores>core` since their speed scales with cores.
+    """
+    words = [w for w in re.split(r"[\s-]+", device_name) if w]
+    n = next((i + 1 for i, w in enumerate(words) if any(c.isdigit() for c in w)), min(len(words), 2))
+    return "_".join(words[:n])

@@ -10,7 +10,8 @@ import pytest
 from serve_app.engine.policy import BatchState, make_policy
 from serve_app.engine.stats import StepStats
 from serve_app.profiling.calibration import Calibrated, Calibration, calibrated
-from serve_app.profiling.profiles import LatencyGrid, Profile, best_k_table
+from serve_app.pricing import LatencyGrid, best_k_table
+from serve_app.profiling.profiles import Profile
 from serve_app.sim.simulate import simulate, step_parts
 
 SIZES, KS, ACC = [1, 2, 4, 8, 16, 32], [0, 1, 2, 3, 4], 0.75

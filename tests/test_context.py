@@ -18,7 +18,8 @@ from serve_app.engine.stats import StepStats
 from serve_app.engine.worker import ModelWorker
 from serve_app.drafting import draft_worker
 from serve_app.profiling.calibration import Calibration
-from serve_app.profiling.profiles import ContextGrid, LatencyGrid, load_profile
+from serve_app.pricing import ContextGrid, LatencyGrid
+from serve_app.profiling.profiles import load_profile
 
 ROOT = Path(__file__).parent.parent
 KS = [0, 1, 2, 4]

@@ -10,7 +10,7 @@ from conftest import IdTokenizer, make_tokenizer, tiny_llama
 from test_eagle3 import LAYERS, target_features
 from serve_app.config import EngineConfig, SamplingParams
 from serve_app.drafting import draft_worker
-from serve_app.drafting.distill import continue_prompts, make_data, token_set
+from serve_app.drafting.distill import continue_prompts, token_set
 from serve_app.drafting.eagle3 import Eagle3Draft
 from serve_app.drafting.eagle3_train import eagle_batches, train_eagle3, unroll
 from serve_app.engine.scheduler import Engine

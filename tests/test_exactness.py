@@ -13,7 +13,6 @@ Uniforms come from each sequence's generator, seeded from Python's `random`, whi
 seeds per test: a failure reproduces.
 """
 
-import math
 
 import pytest
 import torch

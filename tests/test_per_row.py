@@ -19,7 +19,7 @@ from serve_app.engine.sampling import Warp, noise_key, verify_walk
 from serve_app.engine.scheduler import Engine
 from serve_app.engine.stats import RowOutcomes, StepStats
 from serve_app.engine.worker import ModelWorker
-from serve_app.profiling.profiles import LatencyGrid
+from serve_app.pricing import LatencyGrid
 
 PROMPTS = [[1, 2, 3], [5] * 11, list(range(10, 40)), [7, 8], [42], list(range(60, 50, -1))]
 

@@ -59,7 +59,7 @@ def test_lut_needs_a_profile():
 
 # ---- adaptive: goodput from a latency grid and a live acceptance estimate ------------------------
 from serve_app.engine.policy import Adaptive  # noqa: E402
-from serve_app.profiling.profiles import LatencyGrid, expected_tokens  # noqa: E402
+from serve_app.pricing import LatencyGrid, expected_tokens  # noqa: E402
 
 
 def hand_grid() -> LatencyGrid:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve_app.profiling.profiles import (Prediction, Profile, gpu_type_name, load_profile, load_profiles, replaces,
-                                save_profile)
+from serve_app.hardware import gpu_type_name
+from serve_app.profiling.profiles import Prediction, Profile, load_profile, load_profiles, replaces, save_profile
 from serve_app.profiling.roofline import (GPUS, SHAPES, GpuSpec, ModelShape, Overheads, acceptance_for, forward_cost, forward_ms,
                                 gpu_spec, model_shape, predict_for, predict_grid, predict_profile, smooth_max)
 

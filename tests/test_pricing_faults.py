@@ -6,8 +6,9 @@
 5. constrained rows (grammar, forced tool calls) learn a curve of their own;
 6. a request missing from one step (its predicted output drafted for it) keeps its record."""
 
+import random
+
 import pytest
-import torch
 
 from conftest import IdTokenizer, tiny_llama
 from serve_app.config import EngineConfig, SamplingParams
@@ -20,7 +21,7 @@ from serve_app.engine.scheduler import Engine
 from serve_app.engine.stats import RowOutcomes, StepStats
 from serve_app.engine.worker import ModelWorker
 from serve_app.profiling.calibration import Calibration
-from serve_app.profiling.profiles import LatencyGrid
+from serve_app.pricing import LatencyGrid
 
 KS = [0, 1, 2, 4]
 GRID = LatencyGrid(batch_sizes=[1, 8], ks=KS, draft_ms=[[0.5 + 3 * k for k in KS], [0.5 + 6 * k for k in KS]],
@@ -114,3 +115,30 @@ def test_a_request_missing_from_one_step_keeps_its_record():
     for i in range(400):  # finished requests do not pile up
         pol.choose(BatchState(1, 4, True, (f"r{i}",)))
     assert len(pol.requests) < 400
+
+
+def test_budget_learns_acceptance_per_position_where_a_geometric_a_misprices_both_ends():
+    """A draft that misses its first token half the time but, once right, keeps agreeing (a document): one
+    geometric a (about 0.8) overprices the first token (0.8 against 0.5) and underprices the deep ones (a^4 = 0.41
+    for the 4th against 0.5 x 0.98^3). The per-position estimates learn 0.5, then about 0.98, and `expected(k)`,
+    the step's worth and the depth model rows reach (the best uniform k), follows them."""
+    from serve_app.engine.budget import POSITION_PRIOR
+    from serve_app.pricing import expected_tokens
+
+    pol = Budget(GRID, 0.5)
+    assert pol.expected(3) == pytest.approx(expected_tokens(0.5, 3))  # before any outcome: the profile's a
+    rng = random.Random(0)
+    for _ in range(400):
+        acc = [0 if rng.random() < 0.5 else 4 - (rng.random() < 0.05) for _ in range(2)]
+        pol.observe(StepStats(batch_size=2, k=4, proposed=8, accepted=sum(acc),
+                              rows=RowOutcomes(list("ab"), [4, 4], acc, [[0.5] * 4] * 2, [False] * 2, [False] * 2)))
+    c = [h / t for h, t in zip(pol.pos_hits, pol.pos_trials)]
+    assert c[0] == pytest.approx(0.5, abs=0.08) and min(c[1:3]) > 0.9
+    a = pol.acceptance_estimate
+    assert a == pytest.approx(0.8, abs=0.04)
+    fourth = pol.expected(4) - pol.expected(3)
+    assert fourth == pytest.approx(c[0] * c[1] * c[2] * c[3], rel=0.05) and fourth > a ** 4 + 0.03
+    assert pol.expected(1) < expected_tokens(a, 1) - 0.2
+    p = pol.prices(1)
+    assert pol.uniform(1)[0] == max(GRID.ks, key=lambda k: (pol.expected(k) / p.step_ms(1, k), -k))
+    assert POSITION_PRIOR > 0 and pol.expected(8) >= pol.expected(4)  # positions never reached lean on the last one

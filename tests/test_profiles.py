@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from serve_app.profiling.profiles import Profile, detect_gpu_type, load_profile, load_profiles
+from serve_app.hardware import detect_gpu_type
+from serve_app.profiling.profiles import Profile, load_profile, load_profiles
 
 
 def test_round_trip_and_sorted_table(tmp_path):
@@ -37,7 +38,8 @@ def test_cpu_hardware_type_names_core_count():
 
 
 # ---- measured profiles: latency grid, acceptance, derived table ------------------------------------
-from serve_app.profiling.profiles import LatencyGrid, best_k_table, fit_acceptance_rate, save_profile  # noqa: E402
+from serve_app.pricing import LatencyGrid, best_k_table  # noqa: E402
+from serve_app.profiling.profiles import fit_acceptance_rate, save_profile  # noqa: E402
 
 
 def measured(**over) -> dict:

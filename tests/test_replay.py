@@ -11,7 +11,8 @@ from serve_app.bench.replay import closed_cell, replay, replay_parts
 from serve_app.engine.stats import StepStats
 from serve_app.models import LoadedModels
 from serve_app.profiling.calibration import step_cost_ms
-from serve_app.profiling.profiles import LatencyGrid, Profile
+from serve_app.pricing import LatencyGrid
+from serve_app.profiling.profiles import Profile
 
 KS = [0, 1, 2, 4]
 GRID = LatencyGrid(batch_sizes=[1, 8], ks=KS, draft_ms=[[0.0, 3, 6, 12], [0.0, 6, 12, 24]],

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from serve_app.profiling.profiles import LatencyGrid, Profile
+from serve_app.pricing import LatencyGrid
+from serve_app.profiling.profiles import Profile
 from serve_app.sim.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,10 +150,10 @@ def test_simulate_command_writes_table_and_plot(tmp_path):
                         "--out", str(tmp_path / "sim2")], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0 and "| fixed:1 |" in r.stdout, r.stderr[-2000:]
     assert main(["simulate", "--fleet", "nope", "--trace", str(tmp_path / "trace.csv")]) == 2
-    # per-row lengths are not simulated: refused by name, before anything runs
-    for extra in (["--fleet", "cpu-2core:2", "--profiles", str(ROOT / "profiles"), "--trace", str(tmp_path / "trace.csv")],
-                  ["--validate"]):
-        assert main(["simulate", *extra, "--policy", "fixed:1,budget"]) == 2
+    # per-row lengths are not in the fleet simulators: refused by name, before anything runs (--validate replays
+    # them per row)
+    assert main(["simulate", "--fleet", "cpu-2core:2", "--profiles", str(ROOT / "profiles"), "--trace",
+                 str(tmp_path / "trace.csv"), "--policy", "fixed:1,budget"]) == 2
 
 
 def test_old_profiles_prefill_price_is_used_per_prompt_token_and_resuming_speculation_costs_its_switch():
@@ -191,18 +192,77 @@ def test_validation_smoke_report_is_consistent_on_a_tiny_pair(tiny_model_dirs, t
                  "--out", str(prof)]) == 0
     out = tmp_path / "v"
     code = main(["simulate", "--validate", "--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"],
-                 "--profile", str(prof), "--policy", "none,fixed:2", "--scale", "0.08", "--out", str(out)])
+                 "--profile", str(prof), "--policy", "none,fixed:2,budget", "--scale", "0.08", "--out", str(out)])
     r = json.loads((out / "results.json").read_text())
-    assert set(r["error"]) == {"none", "fixed:2"} and r["requests"] >= 3
+    # budget: replayed per row, not in the one-k simulator
+    assert set(r["error"]) == {"none", "fixed:2"} and set(r["replay_error"]) == {"none", "fixed:2", "budget"}
+    assert r["requests"] >= 3
     for p, e in r["error"].items():
         assert e == pytest.approx(r["sim_mean_latency_s"][p] / r["real_mean_latency_s"][p] - 1)
         assert r["real_mean_latency_s"][p] > 0 and r["sim_mean_latency_s"][p] > 0
-    assert code == (0 if r["passed"] else 1)
-    assert r["passed"] == (all(abs(e) <= 0.15 for e in r["error"].values()) and not r["discordant_pairs"])
+    for p, e in r["replay_error"].items():
+        assert e == pytest.approx(r["replay_mean_latency_s"][p] / r["real_mean_latency_s"][p] - 1)
+    buckets = r["cost_model"]
+    assert buckets and sum(b["steps"] for b in buckets) > 10 and {b["k"] for b in buckets} >= {0, 2}
+    for b in buckets:
+        assert b["interval"][0] <= b["median_abs_error"] <= b["interval"][1]
+    cost_ok = all(b["median_abs_error"] <= 0.10 for b in buckets if b["steps"] >= 8)
+    assert code == (0 if r["passed"] else 1) and r["cost_passed"] == cost_ok
+    assert r["passed"] == (all(abs(e) <= 0.10 for e in [*r["error"].values(), *r["replay_error"].values()])
+                           and not r["discordant_pairs"] and not r["replay_discordant_pairs"] and cost_ok)
+    assert "| budget |" in (out / "summary.md").read_text() and "## The cost model per step" in (out / "summary.md").read_text()
     assert "PASSED" in (out / "summary.md").read_text() or "FAILED" in (out / "summary.md").read_text()
     # calibrated on this machine first (the default), and the summary says so
     assert r["calibration"]["used"] > 0 and set(r["calibration"]["factors"]) == {"draft", "verify", "other", "chunk"}
     assert "calibrated by the schedule at fixed:1 and fixed:4" in (out / "summary.md").read_text()
+
+
+def test_cost_model_check_groups_steps_and_measures_the_error_it_was_given():
+    """Steps that took 25% longer than predicted show -20% in their bucket, wherever they fall; a bucket is
+    (batch, k, context) with batch and context rounded to a power of two; the shape spread is how far steps of one
+    exact shape stray from their median (1% here)."""
+    from serve_app.bench.simcheck import cost_model_check, step_bucket
+    from serve_app.engine.stats import StepStats
+    from serve_app.profiling.calibration import step_cost_ms
+
+    grid = grid_profile().latency
+    predicted = []
+    for i in range(40):
+        b, k = (1, 1) if i % 2 else (2, 0)
+        st = StepStats(batch_size=b, k=k, proposed=b * k, contexts=[100] * b)
+        ms = step_cost_ms(grid, st)
+        st.verify_s = ms * 1.25 * (1 + 0.01 * (i % 3)) / 1000
+        predicted.append((st, ms))
+    assert step_bucket(predicted[0][0]) == (2, 0, 128) and step_bucket(predicted[1][0]) == (1, 1, 128)
+    out = cost_model_check(predicted)
+    assert [(b["batch"], b["k"], b["steps"]) for b in out] == [(1, 1, 20), (2, 0, 20)]
+    for b in out:
+        assert b["median_error"] == pytest.approx(1 / 1.2625 - 1, abs=0.01) and b["median_abs_error"] > 0.19
+        assert b["interval"][0] <= b["median_abs_error"] <= b["interval"][1] < 0.22
+        assert b["shape_spread"] == pytest.approx(0.0, abs=0.011)
+
+
+def test_calibration_pace_follows_a_machine_that_slows_and_prices_the_next_step():
+    """A machine that turns 1.5x slower: within a few steps `predict_ms` prices the next step (of another shape) at
+    1.5x its grid price, and the per-cell factors, which move over dozens of steps, do not need to."""
+    from serve_app.engine.stats import StepStats
+    from serve_app.profiling.calibration import Calibration, step_cost_ms
+
+    grid = grid_profile().latency
+    cal = Calibration(grid, warmup=0)
+
+    def step(b, k, slow):  # each part as the grid prices it, times slow
+        st = StepStats(batch_size=b, k=k, proposed=b * k, contexts=[50] * b)
+        st.draft_s, st.verify_s, st.other_s = (grid.part_at(part, b, k) * slow / 1000 for part in ("draft", "verify", "other"))
+        return st
+
+    for i in range(40):
+        cal.observe(step(1 + i % 2, 1, 1.0))
+    probe = step(2, 1, 1.0)
+    assert cal.predict_ms(probe) == pytest.approx(step_cost_ms(grid, probe), rel=0.02)
+    for i in range(12):
+        cal.observe(step(1, 1, 1.5))
+    assert cal.predict_ms(probe) == pytest.approx(1.5 * step_cost_ms(grid, probe), rel=0.05)
 
 
 def test_waterfill_matches_sending_each_request_to_the_least_loaded_replica():

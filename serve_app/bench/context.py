@@ -44,7 +44,8 @@ def bench_context(models, batch_sizes: list[int], ks: list[int], contexts: list[
 def merge_into_profile(path: str, grid_json: dict) -> None:
     """Put a measured context grid into a profile file's latency grid (same hardware, pair and dtype assumed:
     the caller measured it with the profile's models)."""
-    from serve_app.profiling.profiles import ContextGrid, load_profile, save_profile
+    from serve_app.pricing import ContextGrid
+    from serve_app.profiling.profiles import load_profile, save_profile
 
     profile = load_profile(path)
     if profile.latency is None:

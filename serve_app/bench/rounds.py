@@ -67,14 +67,14 @@ def fmt_ratio(s: dict) -> str:
 
 def default_stem(name: str) -> Path:
     """results/<name>-<hardware type>: where a benchmark writes unless told otherwise."""
-    from serve_app.profiling.profiles import detect_gpu_type
+    from serve_app.hardware import detect_gpu_type
 
     return RESULTS_DIR / f"{name}-{detect_gpu_type()}"
 
 
 def provenance() -> dict:
     """What produced a results file: the command, when, and the torch build and threads it ran with."""
-    from serve_app.profiling.profiles import detect_gpu_type
+    from serve_app.hardware import detect_gpu_type
 
     argv = sys.argv[1:] if Path(sys.argv[0]).name == "specserve" else None
     return {"command": "specserve " + " ".join(argv) if argv is not None else None,

@@ -9,6 +9,18 @@ blocks, step token budget). Passing means: every policy's simulated mean latency
 `tolerance` of the measured one, and the same order of policies wherever the real run tells them
 apart by more than `tie`.
 
+Two more checks ride on the same real rounds:
+- **The row-aware replay** (`bench.replay`): the real engine, models and policies on a virtual clock priced by
+  the calibrated grid, per row (per-row k and context, the budget's plan walk, copies from the prompt, the real
+  drafts' acceptance). It covers every policy, `budget` included, which the one-k simulator cannot model.
+- **The cost model per step**: every real step's time against what the replica's online cost model predicted
+  for it before it ran (`Calibration.predict_ms`: the calibrated grid's price at the recent pace, calibrating on
+  the steps before it only, as a Router does), grouped by (batch, k, context bucket), beside the shape spread:
+  how far steps of one exact shape stray from their median over the run.
+
+Both simulators run on the grid calibrated over the whole run (the calibration runs and every round): this
+machine's prices while it ran, so their errors are their own, not the prices'.
+
 A profile is measured on one machine of its type; this one may be faster or slower. With `calibrate`
 (the default) the schedule first runs once at fixed:1 and once at fixed:4 on this machine, and their
 steps calibrate the profile's grid (`profiling.calibration`, as a Router does online); the simulated
@@ -19,6 +31,7 @@ and calibrate as they go, like the real ones. The summary says which was done.
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 from pathlib import Path
@@ -31,6 +44,7 @@ from serve_app.profiling.calibration import Calibration
 from serve_app.profiling.profiles import Profile
 from serve_app.sim.simulate import simulate
 from serve_app.bench.policies import Job, _run, varying_jobs
+from serve_app.bench.replay import replay
 from serve_app.bench.rounds import provenance
 
 ENGINE = EngineConfig(max_batch_size=32, max_k=8)
@@ -50,53 +64,75 @@ def discordant_pairs(real: dict[str, float], sim: dict[str, float], tie: float) 
 
 def validate(models: LoadedModels, profile: Profile, policies: list[str], out_dir: str, scale: float = 0.7,
              seed: int = 0, repeat: int = 1, tolerance: float = 0.15, tie: float = 0.05,
-             sim_seeds: int = 20, calibrate: bool = True) -> tuple[dict, str, bool]:
+             sim_seeds: int = 20, calibrate: bool = True, cost_tolerance: float = 0.10) -> tuple[dict, str, bool]:
     """Run the schedule for real and simulated; write results.json and summary.md. Returns
     (results, markdown, passed)."""
     jobs, phases = varying_jobs(models.tokenizer, random.Random(seed), scale)
     warm = [Job(j.prompt, 8) for j in jobs[:2]]
     for p in policies:  # first-call allocations and code paths, as in the bench
         _run(models, profile, p, warm, 2, False, tqdm(disable=True))
-    calibration = None
+    calibration, seen = None, []
     if calibrate:  # this machine's own latencies first: the profile may come from another machine of the type
-        calibration, seen = Calibration(profile.latency, warmup=0), []  # the engine is warm already (above)
+        calibration = Calibration(profile.latency, warmup=0)  # the engine is warm already (above)
         with tqdm(total=2 * len(jobs), desc="validate: calibrating on this machine", unit="req") as bar:
             for p in ("fixed:1", "fixed:4"):
                 _run(models, profile, p, jobs, ENGINE.max_batch_size, True, bar, seen)
         for st in seen:
             calibration.observe(st)
         accepted = measured_acceptance(seen)
+    cal_summary = None if calibration is None else {
+        "how": "the schedule at fixed:1 and fixed:4 on this machine, before the real rounds",
+        "steps": calibration.steps, "used": calibration.used, "factors": calibration.factors(),
+        "drift": calibration.drift(), "acceptance": accepted, "profile_acceptance": profile.acceptance}
     real: dict[str, list[float]] = {p: [] for p in policies}
+    timeline: list = []  # every real round's steps, in the order they ran
     outputs: list[int] | None = None
     with tqdm(total=repeat * len(policies) * len(jobs), desc="validate: real runs", unit="req") as bar:
-        for _ in range(repeat):
-            for p in policies:
-                res = _run(models, profile, p, jobs, ENGINE.max_batch_size, True, bar)
+        for r in range(repeat):
+            for p in policies[r % len(policies):] + policies[:r % len(policies)]:  # rotated: no policy holds one slot
+                res = _run(models, profile, p, jobs, ENGINE.max_batch_size, True, bar, timeline)
                 real[p].append(res.mean_latency)
                 outputs = outputs or res.outputs
+    online = calibration or Calibration(profile.latency)
+    predicted = []
+    for st in timeline:  # each step predicted from the steps before it, then learnt from
+        predicted.append((st, online.predict_ms(st)))
+        online.observe(st)
+    whole = Calibration(profile.latency, warmup=0, window=1 << 30)
+    for st in seen + timeline:
+        whole.observe(st)
+    grid = whole.grid() if calibration else profile.latency
     trace = [(j.at, len(j.prompt), n) for j, n in zip(jobs, outputs)]
-    sim = {}
-    for p in tqdm(policies, desc="validate: simulated", unit="policy"):
+    sim: dict[str, float | None] = {}
+    one_k = [p for p in policies if p != "budget"]  # the one-k simulator models no per-row lengths
+    for p in tqdm(one_k, desc="validate: simulated", unit="policy"):
         runs = [simulate({profile.gpu_type: 1}, {profile.gpu_type: profile}, p, trace=trace,
                          max_batch=ENGINE.max_batch_size, kv_budget=ENGINE.max_num_tokens, max_k=ENGINE.max_k,
                          block_size=ENGINE.block_size, max_num_batched_tokens=ENGINE.max_num_batched_tokens, seed=s,
-                         true_grids={profile.gpu_type: calibration.grid()} if calibration else None,
+                         true_grids={profile.gpu_type: grid} if calibration else None,
                          calibrate=calibration is not None,
                          true_acceptance={profile.gpu_type: accepted} if calibration and accepted else None)
                 for s in range(sim_seeds)]
         sim[p] = statistics.fmean(r.summary()["mean_latency_s"] for r in runs)
+    world = profile.model_copy(update={"latency": grid})  # the replica as calibrated: its policies price by it too
+    replayed = {p: replay(models, world, p, jobs, ENGINE.max_batch_size).mean_latency
+                for p in tqdm(policies, desc="validate: replayed", unit="policy")}
     real_mean = {p: statistics.median(v) for p, v in real.items()}
-    errors = {p: sim[p] / real_mean[p] - 1 for p in policies}
-    bad_pairs = discordant_pairs(real_mean, sim, tie)
-    passed = all(abs(e) <= tolerance for e in errors.values()) and not bad_pairs
+    errors = {p: sim[p] / real_mean[p] - 1 for p in one_k}
+    replay_errors = {p: replayed[p] / real_mean[p] - 1 for p in policies}
+    bad_pairs = discordant_pairs({p: real_mean[p] for p in one_k}, sim, tie)
+    replay_pairs = discordant_pairs(real_mean, replayed, tie)
+    cost = cost_model_check(predicted)
+    cost_ok = all(b["median_abs_error"] <= cost_tolerance for b in cost if b["steps"] >= COST_MIN_STEPS)
+    passed = (all(abs(e) <= tolerance for e in list(errors.values()) + list(replay_errors.values()))
+              and not bad_pairs and not replay_pairs and cost_ok)
     results = {"gpu_type": profile.gpu_type, "target": profile.target, "draft": profile.draft, "requests": len(jobs),
                "phases": phases, "scale": scale, "repeat": repeat, "tolerance": tolerance, "tie": tie,
                "sim_seeds": sim_seeds, "real_mean_latency_s": real_mean, "real_rounds": real,
-               "calibration": None if calibration is None else {
-                   "how": "the schedule at fixed:1 and fixed:4 on this machine, before the real rounds",
-                   "steps": calibration.steps, "used": calibration.used, "factors": calibration.factors(),
-                   "drift": calibration.drift(), "acceptance": accepted, "profile_acceptance": profile.acceptance},
-               "sim_mean_latency_s": sim, "error": errors, "discordant_pairs": bad_pairs, "passed": passed,
+               "calibration": cal_summary, "whole_run_factors": whole.factors(),
+               "sim_mean_latency_s": sim, "error": errors, "discordant_pairs": bad_pairs,
+               "replay_mean_latency_s": replayed, "replay_error": replay_errors, "replay_discordant_pairs": replay_pairs,
+               "cost_model": cost, "cost_tolerance": cost_tolerance, "cost_passed": cost_ok, "passed": passed,
                "provenance": provenance()}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -104,6 +140,60 @@ def validate(models: LoadedModels, profile: Profile, policies: list[str], out_di
     markdown = _markdown(results, policies)
     (out / "summary.md").write_text(markdown)
     return results, markdown, passed
+
+
+COST_MIN_STEPS = 8
+"""A (batch, k, context) bucket with fewer real steps is reported, not judged."""
+
+
+def step_bucket(st) -> tuple[int, int, int]:
+    """(batch, k, context) a step is judged in: its batch size and mean row context rounded to a power of two
+    (1, 2, 4, ...; 64, 128, ...), and k as it ran (the longest row's drafted length)."""
+    ctx = statistics.fmean(st.contexts) if st.contexts else 1
+    return 2 ** round(math.log2(max(st.batch_size, 1))), st.k, 2 ** round(math.log2(max(ctx, 1)))
+
+
+def _ms(st) -> float:
+    return 1000 * (st.draft_s + st.verify_s + st.other_s)
+
+
+def shape_spread(steps) -> dict[tuple, float]:
+    """Per bucket: the median |step / median of its exact shape - 1| over decoding steps of one exact shape (batch,
+    k, tokens drafted, draft forwards, no prefill, mean context within 16 tokens) seen 5+ times: how far a step
+    strays from its own kind over the run: the machine's drift and each step's own noise."""
+    shapes: dict[tuple, list] = {}
+    for st in steps:
+        if st.batch_size and not st.prefill_tokens and _ms(st) > 0:
+            shape = (st.batch_size, st.k, st.proposed, st.draft_forwards, int(statistics.fmean(st.contexts or [0]) // 16))
+            shapes.setdefault(shape, []).append(st)
+    devs: dict[tuple, list[float]] = {}
+    for same in shapes.values():
+        if len(same) >= 5:
+            m = statistics.median(_ms(st) for st in same)
+            for st in same:
+                devs.setdefault(step_bucket(st), []).append(abs(_ms(st) / m - 1))
+    return {key: statistics.median(v) for key, v in devs.items()}
+
+
+def cost_model_check(predicted, seed: int = 0, resamples: int = 400) -> list[dict]:
+    """`predicted`: (decoding step, its predicted ms). Per (batch, k, context) bucket: how many steps, the median
+    |predicted / measured - 1|, a 95% bootstrap interval of that median, the median signed error (a bias), and the
+    bucket's shape spread (None where no exact shape repeated)."""
+    by: dict[tuple, list[float]] = {}
+    for st, ms in predicted:
+        if st.batch_size and _ms(st) > 0:
+            by.setdefault(step_bucket(st), []).append(ms / _ms(st) - 1)
+    spread = shape_spread(st for st, _ in predicted)
+    rng, out = random.Random(seed), []
+    for key in sorted(by):
+        errs = by[key]
+        absolute = [abs(e) for e in errs]
+        boot = sorted(statistics.median(rng.choices(absolute, k=len(absolute))) for _ in range(resamples))
+        out.append({"batch": key[0], "k": key[1], "context": key[2], "steps": len(errs),
+                    "median_abs_error": statistics.median(absolute), "median_error": statistics.median(errs),
+                    "interval": [boot[int(0.025 * resamples)], boot[int(0.975 * resamples) - 1]],
+                    "shape_spread": spread.get(key)})
+    return out
 
 
 def measured_acceptance(steps) -> list[float] | None:
@@ -121,12 +211,14 @@ def _basis(r: dict) -> str:
     cal = r.get("calibration")
     if not cal:
         return "from the profile alone (not calibrated on this machine)."
-    f = cal["factors"]
-    return (f"on this machine's latencies: the profile's grid calibrated by {cal['how']} ({cal['used']} steps; "
-            f"drift {cal['drift']:.0%}; factors draft {_span(f['draft'])}, verify {_span(f['verify'])}, other "
-            f"{_span(f['other'])}, prefill {_span(f['chunk'])}); drafts accepted per position as those runs saw "
-            f"them ({cal.get('acceptance')}; the profile's: {cal.get('profile_acceptance')}); lut and adaptive "
-            "calibrate online, in the real runs and the simulated ones.")
+    f, w = cal["factors"], r["whole_run_factors"]
+    return (f"on this machine's latencies: the profile's grid calibrated by {cal['how']} ({cal['used']} steps; drift "
+            f"{cal['drift']:.0%}; factors draft {_span(f['draft'])}, verify {_span(f['verify'])}, other "
+            f"{_span(f['other'])}, prefill {_span(f['chunk'])}), and for both simulators over the whole run, those "
+            f"runs and every round (factors draft {_span(w['draft'])}, verify {_span(w['verify'])}, other "
+            f"{_span(w['other'])}, prefill {_span(w['chunk'])}); drafts accepted per position as the calibration "
+            f"runs saw them ({cal.get('acceptance')}; the profile's: {cal.get('profile_acceptance')}); lut and "
+            "adaptive calibrate online, in the real runs and the simulated ones.")
 
 
 def _span(by_size: dict) -> str:
@@ -136,20 +228,49 @@ def _span(by_size: dict) -> str:
 
 def _markdown(r: dict, policies: list[str]) -> str:
     real, sim, err = r["real_mean_latency_s"], r["sim_mean_latency_s"], r["error"]
+    rep, rerr = r["replay_mean_latency_s"], r["replay_error"]
+    simulated = [p for p in policies if sim.get(p) is not None]
     rank_real = {p: i + 1 for i, p in enumerate(sorted(policies, key=real.get))}
-    rank_sim = {p: i + 1 for i, p in enumerate(sorted(policies, key=sim.get))}
+    rank_sim = {p: i + 1 for i, p in enumerate(sorted(simulated, key=sim.get))}
+    rank_rep = {p: i + 1 for i, p in enumerate(sorted(policies, key=rep.get))}
+    tol = r["tolerance"]
+
+    def flag(e):
+        return "" if abs(e) <= tol else " **over**"
+
     lines = [f"<!-- written by {r['provenance']['command'] or 'validate()'} on {r['provenance']['created']} -->",
              f"# Simulator vs real engine on {r['gpu_type']}: target {r['target']}, draft {r['draft']}", "",
              f"Schedule: `bench policies` (b) at scale {r['scale']}, {r['requests']} requests, phases (start s, end s, "
              f"requests/s): {', '.join(f'({a:.0f}, {b:.0f}, {c})' for a, b, c in r['phases'])}. Real: median of "
-             f"{r['repeat']} round(s); simulated: mean of {r['sim_seeds']} acceptance draws, " + _basis(r), "",
-             "| policy | real mean latency | simulated | error | rank real / simulated |", "|---|---|---|---|---|"]
+             f"{r['repeat']} round(s), the policies' order rotated each round; simulated (one k per step): mean of "
+             f"{r['sim_seeds']} acceptance draws; replayed (per row: the engine on a virtual clock, deterministic). "
+             + _basis(r), "",
+             "| policy | real mean latency | simulated | error | replayed | error | rank real / simulated / replayed |",
+             "|---|---|---|---|---|---|---|"]
     for p in policies:
-        flag = "" if abs(err[p]) <= r["tolerance"] else " **over**"
-        lines.append(f"| {p} | {real[p]:.2f}s | {sim[p]:.2f}s | {err[p]:+.1%}{flag} | {rank_real[p]} / {rank_sim[p]} |")
-    worst = max(abs(e) for e in err.values())
-    lines += ["", f"Largest error {worst:.1%} (tolerance {r['tolerance']:.0%}); pairs ordered differently where the "
-                  f"real run separates them by more than {r['tie']:.0%}: "
-                  + (", ".join(f"{a} < {b}" for a, b in r["discordant_pairs"]) or "none") + ".",
-              "", f"**{'PASSED' if r['passed'] else 'FAILED'}**", ""]
+        s = f"{sim[p]:.2f}s | {err[p]:+.1%}{flag(err[p])}" if p in simulated else "not modelled | -"
+        lines.append(f"| {p} | {real[p]:.2f}s | {s} | {rep[p]:.2f}s | {rerr[p]:+.1%}{flag(rerr[p])} | "
+                     f"{rank_real[p]} / {rank_sim.get(p, '-')} / {rank_rep[p]} |")
+    worst = max(abs(e) for e in list(err.values()) + list(rerr.values()))
+    lines += ["", f"Largest error {worst:.1%} (tolerance {tol:.0%}); pairs ordered differently where the real run "
+                  f"separates them by more than {r['tie']:.0%}: simulated "
+                  + (", ".join(f"{a} < {b}" for a, b in r["discordant_pairs"]) or "none") + "; replayed "
+                  + (", ".join(f"{a} < {b}" for a, b in r["replay_discordant_pairs"]) or "none") + ".", "",
+              "## The cost model per step", "",
+              "Every real step of the rounds above against what the online cost model predicted for it before it "
+              "ran (`Calibration.predict_ms`: the grid calibrated on the steps before it, at their recent pace, as a "
+              "Router calibrates). Buckets: batch and mean row context rounded to a power of two, k as the step ran. "
+              f"Judged where a bucket has {COST_MIN_STEPS}+ steps: median |error| <= {r['cost_tolerance']:.0%}. Shape "
+              "spread: how far steps of one exact shape stray from their median over the run (the machine's drift, "
+              "which the pace follows, and each step's own noise, which nothing predicts).", "",
+              "| batch | k | context | steps | median abs error [95%] | median error | shape spread |",
+              "|---|---|---|---|---|---|---|"]
+    for b in r["cost_model"]:
+        judged = b["steps"] >= COST_MIN_STEPS
+        mark = (" **over**" if b["median_abs_error"] > r["cost_tolerance"] else "") if judged else " (few)"
+        lo, hi = b["interval"]
+        floor = "-" if b.get("shape_spread") is None else f"{b['shape_spread']:.1%}"
+        lines.append(f"| {b['batch']} | {b['k']} | {b['context']} | {b['steps']} | {b['median_abs_error']:.1%} "
+                     f"[{lo:.1%}, {hi:.1%}]{mark} | {b['median_error']:+.1%} | {floor} |")
+    lines += ["", f"**{'PASSED' if r['passed'] else 'FAILED'}**", ""]
     return "\n".join(lines)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from serve_app.config import SamplingParams
-from serve_app.profiling.profiles import detect_gpu_type
+from serve_app.hardware import detect_gpu_type
 from serve_app.engine.draftplan import DraftPlan, PlanWalk
 from serve_app.engine.lookup import NgramIndex
 from serve_app.engine.worker import Proposal, lookup, new_timings

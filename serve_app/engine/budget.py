@@ -18,15 +18,19 @@ distribution, never on the token it drew); only a few numbers per row go to the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from serve_app.engine.draftplan import CURVE_BINS, DraftPlan
 from serve_app.engine.stats import StepStats
-from serve_app.profiling.profiles import LatencyGrid, context_bucket, expected_tokens
+from serve_app.pricing import LatencyGrid, context_bucket, expected_tokens
 
 
 RECORD_TTL_STEPS = 256
 """A request's record is dropped once it has not decoded for this many steps (it finished, or left)."""
+
+POSITION_PRIOR = 4.0
+"""Outcomes' worth of the position before it (the first position: the profile's acceptance) that a draft
+position's acceptance starts from."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +157,13 @@ class Budget:
 
     def __init__(self, grid: LatencyGrid, acceptance_rate: float, probe_every: int = 16):
         self.grid, self.probe_every = grid, probe_every
-        self.a, self.a_trials = acceptance_rate * 128.0, 128.0  # per-token acceptance (the step's worth)
+        self.a, self.a_trials = acceptance_rate * 128.0, 128.0  # per-token acceptance (metrics, worth_it)
+        # acceptance per draft position given every earlier one was accepted (the step's worth): a geometric a
+        # undersells depth where a draft that got going keeps agreeing (documents, code), so the best uniform k
+        # and the depth model rows may reach come from these (`expected`), learnt from the rows
+        depth = max(max(grid.ks), 1)
+        self.a0 = acceptance_rate
+        self.pos_hits, self.pos_trials = [0.0] * depth, [0.0] * depth
         # one curve per (source, constrained): model drafts of free text, model drafts under a grammar's mask
         # (confidence ~1 on forced tokens), tokens copied by prompt lookup (confidence: the copy record's estimate)
         self.curve = ConfidenceCurve()
@@ -175,11 +185,23 @@ class Budget:
             p = self._prices[key] = prices(self.grid, batch_size, key[1])
         return p
 
+    def expected(self, k: int) -> float:
+        """Tokens a row yields at uniform k with the live acceptance per position: 1 + sum over i < k of the
+        chance that drafts 0..i are all accepted."""
+        out, chance, c = 1.0, 1.0, self.a0
+        for j in range(min(k, len(self.pos_hits))):
+            # a position with few outcomes leans on the one before it (the first on the profile's a): deeper
+            # positions are reached less often, and a capped depth would otherwise never learn the next one
+            c = (self.pos_hits[j] + POSITION_PRIOR * c) / (self.pos_trials[j] + POSITION_PRIOR)
+            chance *= c
+            out += chance
+        return out
+
     def uniform(self, batch_size: int, context: float | None = None) -> tuple[int, float]:
         """The best uniform k at this batch size (and context) with the live acceptance, and its tokens per ms
         (what a step here is worth)."""
-        p, a = self.prices(batch_size, context), self.acceptance_estimate
-        rates = {k: batch_size * expected_tokens(a, k) / p.step_ms(batch_size, k) for k in self.grid.ks}
+        p = self.prices(batch_size, context)
+        rates = {k: batch_size * self.expected(k) / p.step_ms(batch_size, k) for k in self.grid.ks}
         k = max(rates, key=lambda k: (rates[k], -k))
         return k, rates[k]
 
@@ -217,7 +239,7 @@ class Budget:
                          lookup_curve=self.lookup_curve.values(),
                          constrained=list(state.constrained) if any(state.constrained) else None,
                          constrained_curve=self.constrained_curve.values(),
-                         model_depth=max(k_uniform, 1))
+                         model_depth=max(k_uniform, 1) + probe)  # a probe looks one deeper: that position learns
 
     def worth_it(self, b: int, max_k: int, scales: list[float], rate: float, p: Prices) -> bool:
         """Whether speculating at all pays this step: for some depth d, the rows' expected accepted tokens
@@ -254,6 +276,10 @@ class Budget:
             decay = 0.5 ** ((acc + (acc < n)) / 128.0)
             self.a = self.a * decay + acc
             self.a_trials = self.a_trials * decay + acc + (acc < n)
+            fade = 0.5 ** (1 / 64.0)  # per row: about the last 64 rows' outcomes at each position
+            for j in range(min(acc + 1, n, len(self.pos_hits))):  # the positions the target judged
+                self.pos_hits[j] = self.pos_hits[j] * fade + (j < acc)
+                self.pos_trials[j] = self.pos_trials[j] * fade + 1.0
 
     def refresh(self, grid: LatencyGrid) -> None:
         """A calibrated grid (`calibration.Calibrated`): new prices."""

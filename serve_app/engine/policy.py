@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from serve_app.profiling.profiles import LatencyGrid, best_k_table, context_bucket, expected_tokens
+from serve_app.pricing import LatencyGrid, best_k_table, context_bucket, expected_tokens
 from serve_app.engine.draftplan import DraftPlan
 from serve_app.engine.stats import StepStats
 
@@ -130,7 +130,7 @@ class AcceptanceEstimate:
 
     Each sequence in a step with k > 0 contributes its accepted tokens as successes and, unless it
     accepted all k, one failure (the rejected token): the likelihood of the geometric model behind
-    `profiles.expected_tokens`. The draft's backlog check (tokens committed while it was not
+    `pricing.expected_tokens`. The draft's backlog check (tokens committed while it was not
     speculating, each one matched or not) adds successes and failures the same way. Older outcomes
     fade by half every `half_life` new ones; the starting value weighs as much as one half-life.
     """
@@ -159,7 +159,7 @@ class AcceptanceEstimate:
 class Adaptive:
     """Ours: the k with the highest expected goodput, from the profile's latencies and live acceptance.
 
-    goodput(k) = batch * E[tokens | a, k] / step_ms(batch, k), with E from `profiles.expected_tokens`
+    goodput(k) = batch * E[tokens | a, k] / step_ms(batch, k), with E from `pricing.expected_tokens`
     and step_ms interpolated from the profile's latency grid. The acceptance a starts at the
     profile's fitted value and then follows what the steps observe: a moving estimate over roughly
     the last `half_life` draft-token outcomes (`AcceptanceEstimate`), so it tracks a workload

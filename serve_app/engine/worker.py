@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from serve_app.config import SamplingParams
-from serve_app.profiling.profiles import detect_gpu_type
+from serve_app.hardware import detect_gpu_type
 from serve_app.engine.controls import Controls, has_controls
 from serve_app.engine.draftplan import DraftPlan, PlanWalk
 from serve_app.engine.grammar import Guide

@@ -11,6 +11,13 @@ instead: its measured time less the (calibrated) decode part, against the grid's
 many prompt tokens (`LatencyGrid.chunk_ms`), gives the `chunk` part's factor, which scales every prefill
 price of the grid (a profile measured before chunked prefill priced it another way).
 
+The factors give the grid this machine's shape; its pace moves faster. A shared machine's speed drifts over
+seconds (neighbours, clocks): steps of one shape vary about 10% about their median here, and by runs of steps,
+not one at a time. `Calibration.pace` follows it, an exponential average over the last few steps of measured /
+predicted (the calibrated grid's price), and `predict_ms` prices the next step with both. A uniform pace moves
+every k's price alike, so it changes no policy's choice; it makes a predicted step time true (what `simulate
+--validate` judges per step).
+
 `Calibrated` wraps a profile-driven policy (lut, adaptive, budget) and steers it by the calibrated grid: lut's
 table is recomputed from it with the acceptance this replica sees (the profile's per-position shape scaled
 to a live per-token estimate), adaptive prices goodput with it, budget its per-step prices. Pure
@@ -26,7 +33,7 @@ from statistics import median
 from serve_app.engine.draftplan import DraftPlan
 from serve_app.engine.policy import PROFILE_POLICIES, AcceptanceEstimate, LookupTable
 from serve_app.engine.stats import StepStats
-from serve_app.profiling.profiles import LatencyGrid, _between, best_k_table
+from serve_app.pricing import LatencyGrid, _between, best_k_table
 
 PARTS = ("draft", "verify", "other")
 CHUNK = "chunk"
@@ -41,8 +48,13 @@ class Calibration:
     differ from the profile in what each drafted token costs, not only in a fixed factor), else one
     factor for the whole row."""
 
-    def __init__(self, grid: LatencyGrid, warmup: int = 16, window: int = 64, min_samples: int = 8):
+    def __init__(self, grid: LatencyGrid, warmup: int = 16, window: int = 64, min_samples: int = 8,
+                 pace_weight: float = 0.3, regrid_every: int = 16):
         self.base, self.warmup, self.window, self.min_samples = grid, warmup, window, min_samples
+        self.pace_weight, self.regrid_every = pace_weight, regrid_every
+        self.pace = 0.0
+        """log(measured / predicted) of recent steps, each weighing `pace_weight` against all before it."""
+        self._grid, self._grid_at = grid, 0  # the calibrated grid the pace is measured against, and when made
         # decode parts: (k index, log measured / predicted); chunk: raw steps (see _chunk)
         self.samples = {(part, i): deque(maxlen=window) for part in PARTS + (CHUNK,) for i in range(len(grid.batch_sizes))}
         self.steps = 0  # decoding steps seen (warm-up included)
@@ -57,6 +69,7 @@ class Calibration:
         if forwards > 2 * ks[-1] or not (st.batch_size or st.prefill_tokens):
             return False
         self.steps += 1
+        self._follow_pace(st)
         if self.steps <= self.warmup:
             return False
         j = min(range(len(ks)), key=lambda j: (abs(ks[j] - st.k), j))  # the nearest profiled k (chunk steps)
@@ -81,6 +94,24 @@ class Calibration:
                 took = True
         self.used += took
         return took
+
+    def _follow_pace(self, st: StepStats) -> None:
+        if st.prefill_tokens or not st.batch_size:  # a prefill's error is its chunk price's, not the machine's pace
+            return
+        measured, predicted = 1000 * (st.draft_s + st.verify_s + st.other_s), step_cost_ms(self._current(), st)
+        if measured > 0 and predicted > 0.05:
+            w = self.pace_weight
+            self.pace = (1 - w) * self.pace + w * math.log(measured / predicted)
+
+    def _current(self) -> LatencyGrid:
+        """The calibrated grid, made again every `regrid_every` steps (making it reads every sample)."""
+        if self.steps - self._grid_at >= self.regrid_every and self.used:
+            self._grid, self._grid_at = self.grid(), self.steps
+        return self._grid
+
+    def predict_ms(self, st: StepStats) -> float:
+        """What a step like `st` takes on this machine now: the calibrated grid's price at its pace."""
+        return step_cost_ms(self._current(), st) * math.exp(self.pace)
 
     def _chunk(self, st: StepStats, j: int, between, group: int) -> bool:
         """A step that prefilled: what it took beyond its decode part (priced by the calibrated grid, as a

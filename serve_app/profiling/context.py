@@ -24,11 +24,11 @@ import time
 import torch
 from tqdm import tqdm
 
-from serve_app.config import EngineConfig, SamplingParams
+from serve_app.config import SamplingParams
 from serve_app.engine.policy import FixedK
 from serve_app.engine.scheduler import Engine
 from serve_app.engine.stats import StepStats
-from serve_app.profiling.profiles import ContextGrid
+from serve_app.pricing import ContextGrid
 
 PREFILL_BUDGET = 8192
 """Tokens per step while the long prompts prefill (chunked): large enough to be quick, small enough that a

@@ -31,8 +31,9 @@ from serve_app.config import EngineConfig, ModelConfig, SamplingParams
 from serve_app.models import LoadedModels, load_models, model_names, resolve_dtype
 from serve_app.engine.policy import FixedK
 from serve_app.bench.prompt_sets import PROFILE_PROMPTS, chat_prompts
-from serve_app.profiling.profiles import (LatencyGrid, Profile, best_k_table, detect_gpu_type, fit_acceptance_rate, ms_per_token,
-                       save_profile)
+from serve_app.hardware import detect_gpu_type
+from serve_app.pricing import LatencyGrid, best_k_table, ms_per_token
+from serve_app.profiling.profiles import Profile, fit_acceptance_rate, save_profile
 from serve_app.engine.scheduler import Engine
 from serve_app.engine.stats import StepStats
 

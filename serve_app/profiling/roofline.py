@@ -34,8 +34,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from serve_app.config import EMBEDDED
-from serve_app.profiling.profiles import (LatencyGrid, Prediction, Profile, best_k_table, fit_acceptance_rate, load_profile,
-                       ms_per_token)
+from serve_app.pricing import LatencyGrid, best_k_table, ms_per_token
+from serve_app.profiling.profiles import Prediction, Profile, fit_acceptance_rate, load_profile
 
 BATCH_SIZES = [1, 2, 4, 8, 16, 32]
 PREFILL_TOKENS = 128

@@ -19,7 +19,8 @@ import time
 from serve_app.bench.prompt_sets import PROFILE_PROMPTS, chat_prompts
 from serve_app.config import SamplingParams
 from serve_app.engine.policy import FixedK
-from serve_app.profiling.profiles import ContextGrid, LatencyGrid, Profile, best_k_table, fit_acceptance_rate
+from serve_app.pricing import ContextGrid, LatencyGrid, best_k_table
+from serve_app.profiling.profiles import Profile, fit_acceptance_rate
 
 BATCH_SIZES = (1, 4, 16)
 """Batch sizes of a startup profile (clipped to the engine's max_batch_size); policies interpolate between."""

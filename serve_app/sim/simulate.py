@@ -206,7 +206,7 @@ class Replica:
 def step_parts(grid, batch_size: int, k: int) -> tuple[float, float, float]:
     """(draft, verification, rest) milliseconds of a decode step at (batch size, k), linear between the
     grid's batch sizes like `LatencyGrid.step_ms`."""
-    from serve_app.profiling.profiles import _between
+    from serve_app.pricing import _between
 
     i0, i1, w = _between(grid.batch_sizes, batch_size)
     j = grid.ks.index(k)
