@@ -55,6 +55,7 @@ class Calibration:
         self.pace = 0.0
         """log(measured / predicted) of recent steps, each weighing `pace_weight` against all before it."""
         self._grid, self._grid_at = grid, 0  # the calibrated grid the pace is measured against, and when made
+        self._made: tuple[int, LatencyGrid] | None = None  # (samples used, the grid they made)
         # decode parts: (k index, log measured / predicted); chunk: raw steps (see _chunk)
         self.samples = {(part, i): deque(maxlen=window) for part in PARTS + (CHUNK,) for i in range(len(grid.batch_sizes))}
         self.steps = 0  # decoding steps seen (warm-up included)
@@ -179,14 +180,19 @@ class Calibration:
         return out
 
     def grid(self) -> LatencyGrid:
-        """The profile's grid with every decode cell and prefill price calibrated."""
+        """The profile's grid with every decode cell and prefill price calibrated (made again only once samples
+        came since: the pace and a `Calibrated` policy both ask for it)."""
+        if self._made is not None and self._made[0] == self.used:
+            return self._made[1]
         scaled = {f"{part}_ms": [[v * self.ratio(part, i, j) for j, v in enumerate(row)]
                                  for i, row in enumerate(getattr(self.base, f"{part}_ms"))] for part in PARTS}
         for name in CHUNK_FIELDS:
             values = getattr(self.base, name)
             if values is not None:
                 scaled[name] = [v * self.factor(CHUNK, i) for i, v in enumerate(values)]
-        return self.base.model_copy(update=scaled)
+        grid = self.base.model_copy(update=scaled)
+        self._made = (self.used, grid)
+        return grid
 
     def factors(self) -> dict[str, dict[int, float]]:
         """{part: {profiled batch size: factor}} (what /metrics and stats() show; `chunk`: prefill prices)."""
