@@ -1055,7 +1055,9 @@ def _cmd_chaos(args) -> int:
 
 def _simulated_policies(policies: list[str]) -> None:
     """The fleet simulators model one k per step: a per-row policy is refused up front, not run wrong."""
-    if "budget" in policies:
+    from serve_app.engine.policy import PER_ROW_POLICIES
+
+    if set(policies) & set(PER_ROW_POLICIES):
         raise UsageError("simulate models one k per step for the whole batch; `budget` (a length per row) is "
                          "modelled by the row-aware replay: `specserve bench replay`, or `simulate --validate`")
 

@@ -39,6 +39,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from serve_app.config import EngineConfig
+from serve_app.engine.policy import PER_ROW_POLICIES
 from serve_app.models import LoadedModels
 from serve_app.profiling.calibration import Calibration
 from serve_app.profiling.profiles import Profile
@@ -104,7 +105,7 @@ def validate(models: LoadedModels, profile: Profile, policies: list[str], out_di
     grid = whole.grid() if calibration else profile.latency
     trace = [(j.at, len(j.prompt), n) for j, n in zip(jobs, outputs)]
     sim: dict[str, float | None] = {}
-    one_k = [p for p in policies if p != "budget"]  # the one-k simulator models no per-row lengths
+    one_k = [p for p in policies if p not in PER_ROW_POLICIES]  # the one-k simulator models no per-row lengths
     for p in tqdm(one_k, desc="validate: simulated", unit="policy"):
         runs = [simulate({profile.gpu_type: 1}, {profile.gpu_type: profile}, p, trace=trace,
                          max_batch=ENGINE.max_batch_size, kv_budget=ENGINE.max_num_tokens, max_k=ENGINE.max_k,

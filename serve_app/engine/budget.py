@@ -32,6 +32,9 @@ POSITION_PRIOR = 4.0
 """Outcomes' worth of the position before it (the first position: the profile's acceptance) that a draft
 position's acceptance starts from."""
 
+POSITION_FADE = 0.5 ** (1 / 64.0)
+"""Per row judged at a position, older outcomes there weigh this much less: about the last 64 rows count."""
+
 
 @dataclass(frozen=True)
 class Prices:
@@ -276,10 +279,9 @@ class Budget:
             decay = 0.5 ** ((acc + (acc < n)) / 128.0)
             self.a = self.a * decay + acc
             self.a_trials = self.a_trials * decay + acc + (acc < n)
-            fade = 0.5 ** (1 / 64.0)  # per row: about the last 64 rows' outcomes at each position
             for j in range(min(acc + 1, n, len(self.pos_hits))):  # the positions the target judged
-                self.pos_hits[j] = self.pos_hits[j] * fade + (j < acc)
-                self.pos_trials[j] = self.pos_trials[j] * fade + 1.0
+                self.pos_hits[j] = self.pos_hits[j] * POSITION_FADE + (j < acc)
+                self.pos_trials[j] = self.pos_trials[j] * POSITION_FADE + 1.0
 
     def refresh(self, grid: LatencyGrid) -> None:
         """A calibrated grid (`calibration.Calibrated`): new prices."""

@@ -211,6 +211,8 @@ class Adaptive:
 
 POLICY_FORMS = "none | fixed:K | lut | adaptive | budget"
 PROFILE_POLICIES = ("lut", "adaptive", "budget")
+PER_ROW_POLICIES = ("budget",)
+"""Policies that choose a length per row (a DraftPlan), which the one-k simulators do not model."""
 """Policies that steer by a profile of the hardware type."""
 
 
