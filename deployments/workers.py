@@ -46,7 +46,8 @@ class _ModelHost:
             self.worker = ModelWorker(target, "target", tokenizer.pad_token_id or 0)
         else:  # the target's weights only if the draft is built from them (not for ngram, a separate model)
             draft, tokenizer = load_draft_for_host(mc)
-            self.worker = draft_worker(draft, tokenizer.pad_token_id or 0, mc.prompt_lookup)
+            self.worker = draft_worker(draft, tokenizer.pad_token_id or 0, mc.prompt_lookup, mc.history_tokens,
+                                       mc.history_scope == "shared")
 
         self.worker.tokenizer = tokenizer  # structured outputs: grammar masks over the vocabulary's strings
         self.worker.flush_denormals = False  # on for the whole process already (above)
@@ -131,8 +132,8 @@ class RemoteWorker:
     def add(self, seq_ids, prompts, params):
         return self._call("add", seq_ids, prompts, params)
 
-    def remove(self, seq_ids):
-        return self._call("remove", seq_ids)
+    def remove(self, seq_ids, remember=False):
+        return self._call("remove", seq_ids, remember)
 
     def reset(self):
         return self._call("reset")

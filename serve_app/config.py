@@ -6,6 +6,8 @@ tests build, so validation errors here are the user's first line of defence agai
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 EMBEDDED = "embedded"
@@ -43,6 +45,16 @@ class ModelConfig(BaseModel):
     prompt_lookup: bool = True
     """Beside a draft model, let a row copy from its own context (prompt lookup) where its record of copies
     beats the model's confidence: answers that rewrite, fix or quote their prompt (`engine/lookup.py`)."""
+
+    history_tokens: int = Field(1 << 20, ge=0)
+    """With prompt lookup, rows may also copy from a suffix history of earlier requests' outputs (the newest
+    this many tokens, about 32 bytes each): agent loops, templates and repeated answers draft from what
+    was said before (`engine/history.py`). 0: off."""
+
+    history_scope: Literal["tenant", "shared"] = "tenant"
+    """`tenant`: a request drafts only from outputs of requests with its `cache_salt` (none: the default
+    tenant), so a long accepted run cannot tell it what another tenant was answered; `shared`: one history
+    for every request (a single-tenant deployment)."""
 
     @field_validator("dtype")
     @classmethod

@@ -77,6 +77,10 @@ class LoadedModels:
     draft_name: str
     prompt_lookup: bool = False
     """The draft's rows may copy from their own context (`ModelConfig.prompt_lookup`)."""
+    history_tokens: int = 0
+    """...and from a suffix history of earlier outputs this large (`ModelConfig.history_tokens`; 0: none)."""
+    history_shared: bool = False
+    """One history for every request, not one per tenant (`ModelConfig.history_scope`)."""
 
 
 def embedded_gguf() -> Path:
@@ -260,7 +264,8 @@ def load_models(cfg: ModelConfig) -> LoadedModels:
     target, tokenizer, target_name = load_target(cfg.target, cfg.dtype, cfg.device)
     spec = draft_spec(cfg)
     draft = None if spec == "none" else load_draft(spec, target, tokenizer, cfg.dtype, cfg.device)
-    return LoadedModels(target, draft, tokenizer, target_name, display_name(spec), cfg.prompt_lookup)
+    return LoadedModels(target, draft, tokenizer, target_name, display_name(spec), cfg.prompt_lookup,
+                        cfg.history_tokens, cfg.history_scope == "shared")
 
 
 def truncated_draft(target: nn.Module, n_layers: int) -> nn.Module:

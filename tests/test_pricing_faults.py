@@ -139,6 +139,26 @@ def test_budget_learns_acceptance_per_position_where_a_geometric_a_misprices_bot
     fourth = pol.expected(4) - pol.expected(3)
     assert fourth == pytest.approx(c[0] * c[1] * c[2] * c[3], rel=0.05) and fourth > a ** 4 + 0.03
     assert pol.expected(1) < expected_tokens(a, 1) - 0.2
-    p = pol.prices(1)
-    assert pol.uniform(1)[0] == max(GRID.ks, key=lambda k: (pol.expected(k) / p.step_ms(1, k), -k))
+    ms = GRID.step_ms(1)
+    assert pol.uniform(1)[0] == max(GRID.ks, key=lambda k: (pol.expected(k) / ms[GRID.ks.index(k)], -k))
     assert POSITION_PRIOR > 0 and pol.expected(8) >= pol.expected(4)  # positions never reached lean on the last one
+
+
+def test_budget_prices_at_the_grid_cells_not_a_line_through_every_k():
+    """A verification whose time is not linear in k (a kernel that changes shape: here k = 3 verifies as fast as
+    k = 1 and k = 7-8 jump): the best uniform k is the grid's own, and the walk's token price is the slope where
+    the step drafts, not one set by k it never runs. Before: lines through k = 1-8 put k = 3 at 55 ms (the grid
+    says 49) and priced a drafted token at over 3x its local cost."""
+    ks = list(range(9))
+    verify = [39.2, 43.0, 43.9, 41.5, 46.0, 48.3, 49.2, 60.0, 62.0]
+    grid = LatencyGrid(batch_sizes=[1, 8], ks=ks, draft_ms=[[2.4 * k for k in ks], [4.0 * k for k in ks]],
+                       verify_ms=[verify, [v * 2 for v in verify]], other_ms=[[0.1] * 9, [0.1] * 9])
+    pol = Budget(grid, 0.75)
+    step = grid.step_ms(1)
+    best = max(ks, key=lambda k: (pol.expected(k) / step[k], -k))
+    assert best == 3 and pol.uniform(1)[0] == 3
+    whole, local = pol.prices(1), pol.prices(1, upto=4)
+    assert local.token_ms < whole.token_ms / 3
+    plan = pol.choose(BatchState(batch_size=1, has_draft=True, max_k=8))
+    assert isinstance(plan, DraftPlan) and plan.model_depth == 3
+    assert plan.token_value == pytest.approx(pol.rate(1) * pol.prices(1, upto=4).token_ms)

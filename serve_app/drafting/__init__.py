@@ -17,14 +17,21 @@ propose(ids, k) -> Proposal, commit(ids, new_tokens, features), info(). A draft 
 """
 
 
-def draft_worker(draft, pad_id: int = 0, prompt_lookup: bool = False):
+def draft_worker(draft, pad_id: int = 0, prompt_lookup: bool = False, history_tokens: int = 0,
+                 history_shared: bool = False):
     """The worker that hosts a loaded draft: a causal LM (layer-copy, truncated, any HF model) runs in
     a ModelWorker; drafts of other kinds bring their own worker class (`draft.worker_class`). With
-    `prompt_lookup`, a model draft's rows may copy from their own context instead (`engine.lookup`)."""
+    `prompt_lookup`, a model draft's rows may copy from their own context instead (`engine.lookup`), and with
+    `history_tokens` from a suffix history of that many tokens of earlier outputs (`engine.history`; one per
+    tenant unless `history_shared`)."""
     from serve_app.engine.worker import ModelWorker
 
     cls = getattr(draft, "worker_class", None)
     worker = cls(draft, pad_id) if cls is not None else ModelWorker(draft, "draft", pad_id)
     if isinstance(worker, ModelWorker):
         worker.prompt_lookup = prompt_lookup
+        if prompt_lookup and history_tokens:
+            from serve_app.engine.history import SuffixHistory
+
+            worker.history, worker.history_shared = SuffixHistory(history_tokens), history_shared
     return worker

@@ -93,8 +93,8 @@ class NgramWorker:
         """No KV: no limit from this worker."""
         return None
 
-    def remove(self, seq_ids: list[str]) -> None:
-        """Drop finished sequences."""
+    def remove(self, seq_ids: list[str], remember: bool = False) -> None:
+        """Drop finished sequences (an n-gram draft keeps no history: `remember` is the model drafts')."""
         gone = set(seq_ids) & set(self.seqs)
         self.order = [s for s in self.order if s not in gone]
         for sid in gone:

@@ -82,13 +82,18 @@ def _forward_line(grid: LatencyGrid) -> tuple[float, float]:
     return max(fixed, 0.0), per_row
 
 
-def prices(grid: LatencyGrid, batch_size: int, context: float | None = None) -> Prices:
+def prices(grid: LatencyGrid, batch_size: int, context: float | None = None, upto: int | None = None) -> Prices:
     """The grid's prices at a batch size (and a context, where the grid has a context axis): the draft part
     grows with the forwards (k), the verification with the tokens (batch x k); lines through k >= 1 smooth
-    the cells' noise; k = 0 is the base. A forward over fewer rows is priced by the line of forward prices
-    against batch size (`_forward_line`), scaled to the context like the whole forward."""
+    the cells' noise; k = 0 is the base. `upto`: the lines go through k <= upto only (at least two columns):
+    the prices where the step will draft, not a slope set by long k it never runs (verification jumps where
+    a kernel changes shape: at 1,024 tokens on this CPU k = 1-4 verify within 5%, k = 7 costs 40% more). A
+    forward over fewer rows is priced by the line of forward prices against batch size (`_forward_line`),
+    scaled to the context like the whole forward."""
     draft, verify, other = grid.parts_at(batch_size, context)
     js = [j for j, k in enumerate(grid.ks) if k >= 1]
+    if upto is not None and len(js) > 2:
+        js = js[:max(2, sum(grid.ks[j] <= upto for j in js))]
     base = draft[0] + verify[0] + other[0]
     if len(js) < 2:  # a grid with one k > 0: all of its extra is fixed
         j = js[0] if js else 0
@@ -175,17 +180,19 @@ class Budget:
         self.requests: dict[str, RequestRecord] = {}
         self._last_seen: dict[str, int] = {}  # request id -> the step it last decoded in
         self._prices: dict[tuple, Prices] = {}  # (batch size, context bucket) -> prices
+        self._step_ms: dict[tuple, list[float]] = {}  # (batch size, context bucket) -> the grid's step per k
         self._steps = 0
 
     @property
     def acceptance_estimate(self) -> float:
         return self.a / self.a_trials
 
-    def prices(self, batch_size: int, context: float | None = None) -> Prices:
-        key = (batch_size, context_bucket(context))
+    def prices(self, batch_size: int, context: float | None = None, upto: int | None = None) -> Prices:
+        """The step's prices here, with their lines through k <= upto (where the step drafts; `prices`)."""
+        key = (batch_size, context_bucket(context), upto)
         p = self._prices.get(key)
         if p is None:
-            p = self._prices[key] = prices(self.grid, batch_size, key[1])
+            p = self._prices[key] = prices(self.grid, batch_size, key[1], upto)
         return p
 
     def expected(self, k: int) -> float:
@@ -202,9 +209,14 @@ class Budget:
 
     def uniform(self, batch_size: int, context: float | None = None) -> tuple[int, float]:
         """The best uniform k at this batch size (and context) with the live acceptance, and its tokens per ms
-        (what a step here is worth)."""
-        p = self.prices(batch_size, context)
-        rates = {k: batch_size * self.expected(k) / p.step_ms(batch_size, k) for k in self.grid.ks}
+        (what a step here is worth). Priced at the grid's own cells, not `Prices`' lines: a step's time is not
+        linear in k (a kernel's shapes: on this CPU verifying 4 tokens costs less than 3), and the lines
+        would move the best k off the grid's."""
+        key = (batch_size, context_bucket(context))
+        ms = self._step_ms.get(key)
+        if ms is None:
+            ms = self._step_ms[key] = self.grid.step_ms(batch_size, key[1])
+        rates = {k: batch_size * self.expected(k) / m for k, m in zip(self.grid.ks, ms)}
         k = max(rates, key=lambda k: (rates[k], -k))
         return k, rates[k]
 
@@ -228,8 +240,8 @@ class Budget:
                 self._last_seen.pop(rid, None)
         recs = [self.requests[rid] for rid in ids]
         context = state.context_for(self.grid)
-        p = self.prices(b, context)
         k_uniform, rate = self.uniform(b, context)
+        p = self.prices(b, context, k_uniform + 1)  # the slopes where rows draft: up to one past the uniform k
         token_value = rate * p.token_ms
         # every probe_every-th step every row drafts at least one token, whatever the prices say: the curve
         # and the requests' records keep learning where they would otherwise never draft
@@ -287,3 +299,4 @@ class Budget:
         """A calibrated grid (`calibration.Calibrated`): new prices."""
         self.grid = grid
         self._prices.clear()
+        self._step_ms.clear()

@@ -79,6 +79,12 @@ class CopyRecord:
     """Tokens the outstanding proposal copied (0: the model drafted it)."""
     tokens: list[int] = field(default_factory=list)
     """The outstanding proposal's copy (what lookup proposed for this step)."""
+    from_history: bool = False
+    """The outstanding copy came from the suffix history of earlier outputs (`engine.history`)."""
+    history_hits: float = 0.0
+    """The same as `hits` for the row's copies from the history."""
+    history_tries: float = 0.0
+    """The same as `tries` for the row's copies from the history."""
 
     PRIOR = 2.0  # judged copies' worth of the prior
 
@@ -92,9 +98,14 @@ class CopyRecord:
         """The committed tokens of a step: score the outstanding copy, then index them."""
         if self.copied:
             accepted = len(new) - 1
-            self.hits += min(accepted, self.copied)
-            self.tries += min(accepted + 1, self.copied)
-            self.copied = 0
+            hits, tries = min(accepted, self.copied), min(accepted + 1, self.copied)
+            if self.from_history:
+                self.history_hits += hits
+                self.history_tries += tries
+            else:
+                self.hits += hits
+                self.tries += tries
+            self.copied, self.from_history = 0, False
         self.index.extend(new)
 
 

@@ -181,7 +181,8 @@ class Engine:
 
         pad = models.tokenizer.pad_token_id or 0
         target = ModelWorker(models.target, "target", pad)
-        draft = draft_worker(models.draft, pad, models.prompt_lookup) if models.draft is not None else None
+        draft = (draft_worker(models.draft, pad, models.prompt_lookup, models.history_tokens, models.history_shared)
+                 if models.draft is not None else None)
         return cls(target, draft, models.tokenizer, config, policy)
 
     # ---- requests ----------------------------------------------------------------------------
@@ -362,7 +363,7 @@ class Engine:
         st.generated = sum(len(x) for x in new)
         if drafts.lengths is not None:  # a per-row plan: what each row drafted and got, for the policy
             st.rows = RowOutcomes([ids[b] for b in drafting], mine, got, drafts.conf, drafts.lookup,
-                                  [self.running[b].params.structured is not None for b in drafting])
+                                  [self.running[b].params.structured is not None for b in drafting], drafts.history)
         for b, (req, n, toks, lp, length) in enumerate(zip(self.running, num_accepted, new, logprobs, lengths)):
             req.stats.add_step(length, n)
             if b in predicted:
@@ -515,9 +516,9 @@ class Engine:
         if not reqs:
             return
         gone = {r.id for r in reqs}
-        for w in (self.target, self.draft):
-            if w is not None:
-                w.remove(list(gone))
+        self.target.remove(list(gone))
+        if self.draft is not None:
+            self.draft.remove(list(gone), remember=True)  # their outputs join the draft's suffix history
         self.running = [r for r in self.running if r.id not in gone]
         self.prefilling = [r for r in self.prefilling if r.id not in gone]
 

@@ -37,6 +37,8 @@ class RowOutcomes:
     """Whether the row's tokens were copied from its own context (prompt lookup)."""
     constrained: list[bool] | None = None
     """Whether the row's output is constrained (structured output: a grammar, a forced tool call)."""
+    history: list[bool] | None = None
+    """Whether the row's copy came from the suffix history of earlier outputs (a `lookup` row)."""
 
 
 @dataclass

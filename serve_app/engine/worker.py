@@ -35,6 +35,7 @@ from serve_app.engine.grammar import Guide
 from serve_app.engine import attention
 from serve_app.engine.kv import (ATTENTION, PagedKV, attention_layers, cuda_memory, kv_bytes_per_token, kv_pool_tokens,
                                 pack)
+from serve_app.engine.history import PROMPT_TAIL, SuffixHistory, history_estimate
 from serve_app.engine.lookup import LOOKUP_MIN_N, CopyRecord, NgramIndex
 from serve_app.engine.sampling import TOP_N, Warp, draft_choice, logprob_top, noise_key, verify_walk
 
@@ -63,7 +64,10 @@ class Proposal:
     """Per row, the draft's confidence at each drafted position (its distribution's largest probability),
     for the policy's online acceptance curve; None when the step had no plan."""
     lookup: list[bool] | None = None
-    """Per row: its tokens were copied from its own context (prompt lookup beside the model draft)."""
+    """Per row: its tokens were copied, from its own context (prompt lookup beside the model draft) or from the
+    suffix history (`history`)."""
+    history: list[bool] | None = None
+    """Per row: its copy came from the suffix history of earlier outputs (`engine.history`); None: no row's did."""
     forwards: int = 0
     """Draft forwards this proposal ran (the first over every row, later ones over the rows still drafting): what
     its draft time is priced by. Rows that copy run none; a plan that kept nothing still ran its first."""
@@ -110,6 +114,10 @@ class Sequence:
     extra: dict = field(default_factory=dict)
 
 
+HISTORY_OUTBOX = 4096
+"""Remembered outputs a draft keeps for the shared store between its collections (the oldest go first)."""
+
+
 def lookup(worker, seq_ids: list[str]) -> list:
     """A worker's sequences for seq_ids (its `seqs` by id); shared by every draft worker so all refuse
     an unknown id the same way."""
@@ -146,6 +154,13 @@ class ModelWorker:
         self.tokenizer = None  # for structured outputs (grammar masks need the vocabulary's strings)
         self.prompt_lookup = False
         """A draft: rows may copy from their own context where that agrees better (`engine.lookup`)."""
+        self.history: SuffixHistory | None = None
+        """A draft with prompt lookup: rows may also copy from earlier requests' outputs (`engine.history`)."""
+        self.history_shared = False
+        """Every request drafts from one history (a single-tenant deployment); else from its tenant's only."""
+        self.history_outbox: list[tuple[str, list[int], list[int]]] = []
+        """Outputs remembered since the last `take_history` (tenant, prompt tail, output): what a shared history
+        store collects from this replica."""
 
     def take_timings(self) -> dict:
         """Device work since the last call (forwards; vocabulary-sized math beside them) and the bytes
@@ -224,9 +239,13 @@ class ModelWorker:
         full = getattr(self.model, "vocab_size", None)
         return full if isinstance(full, int) else self.model.get_output_embeddings().weight.shape[0]
 
-    def remove(self, seq_ids: list[str]) -> None:
-        """Drop finished sequences; their blocks go back to the pool (named ones stay cached)."""
+    def remove(self, seq_ids: list[str], remember: bool = False) -> None:
+        """Drop finished sequences; their blocks go back to the pool (named ones stay cached). remember: their
+        outputs go into the suffix history (requests that finished, not preempted ones)."""
         gone = set(seq_ids) & set(self.seqs)
+        if remember and self.history is not None:
+            for sid in sorted(gone):
+                self._remember(self.seqs[sid])
         for sid in gone:
             del self.seqs[sid]
             self.cache.release(sid)
@@ -235,6 +254,36 @@ class ModelWorker:
     def reset(self) -> None:
         """Drop every sequence (after a failed step: the engine prefills the survivors again)."""
         self.remove(list(self.order))
+
+    # ---- suffix history ----------------------------------------------------------------------
+    def _tenant(self, p: SamplingParams) -> str:
+        return "" if self.history_shared else (p.cache_salt or "")
+
+    def _remember(self, s: Sequence) -> None:
+        plen = s.extra.get("prompt_len", len(s.tokens))
+        out = s.tokens[plen:]
+        if out:
+            doc = (self._tenant(s.params), s.tokens[max(plen - PROMPT_TAIL, 0) : plen], out)
+            self.history.add(doc[2], doc[0], doc[1])
+            self.history_outbox.append(doc)
+            del self.history_outbox[:-HISTORY_OUTBOX]
+
+    def take_history(self) -> list[tuple[str, list[int], list[int]]]:
+        """The outputs remembered since the last call (tenant, prompt tail, output), for a shared store."""
+        out, self.history_outbox = self.history_outbox, []
+        return out
+
+    def add_history(self, docs: list[tuple[str, list[int], list[int]]]) -> int:
+        """Other replicas' outputs (from the shared store) into this draft's history; returns its tokens held."""
+        if self.history is None:
+            return 0
+        for tenant, prompt, out in docs:
+            self.history.add(out, "" if self.history_shared else tenant, prompt)
+        return len(self.history)
+
+    def history_stats(self) -> dict | None:
+        """The suffix history's size and hit rate (`SuffixHistory.stats`); None without one."""
+        return self.history.stats() if self.history is not None else None
 
     @torch.inference_mode()
     def prefill(self, seq_ids: list[str], features: list[torch.Tensor] | None = None,
@@ -762,6 +811,8 @@ class Drafting:
         self.draw = worker._drawer(seqs, conf=self.walk is not None or bool(self.copyable))
         self.copy: list[list[int] | None] = [None] * len(seqs)  # a copying row's tokens
         self.copy_conf = [0.0] * len(seqs)
+        self.copy_len = [0] * len(seqs)  # tokens its source had (a history match may hold fewer than k)
+        self.from_history = [False] * len(seqs)
         self.tokens, self.probs, self.support, self.confs = [], [], [], []
         self.rows = list(range(len(seqs)))  # the rows of the next forward
         self.more = self.k > 0
@@ -794,22 +845,42 @@ class Drafting:
         self._append(tok, q, ids, conf)
         more = j + 1 < self.k
         if self.walk is not None:
+            self._copy_ended(j)
             more = self.walk.position(j, conf, self.copying) and more
         self.rows = [b for b in rows if self.copy[b] is None and (self.walk is None or self.walk.active[b])]
         self.more = more and bool(self.rows)
         return tok
 
     def _choose_copies(self, conf: list[float]) -> None:
+        """Per copyable row, its source: the model, its own context or the history, whichever is likelier to be
+        accepted at the first position (the model: its curve at its confidence; a copy: its record's estimate)."""
         plan = self.walk.plan if self.walk is not None else None
-        for b in self.copyable:
+        history = self.worker.history
+        found = (history.match_rows([self.seqs[b].tokens[-history.window:] for b in self.copyable], self.k,
+                                    [self.worker._tenant(self.seqs[b].params) for b in self.copyable])
+                 if history is not None and len(history) else [None] * len(self.copyable))
+        for b, hist in zip(self.copyable, found):
             rec = self.seqs[b].extra["copy"]
+            best = conf[b] if plan is None else plan.estimate(b, conf[b])
             toks, n = rec.index.match(self.k)
-            if n < LOOKUP_MIN_N:
-                continue
-            e = rec.estimate(n)
-            model, copy = (conf[b], e) if plan is None else (plan.estimate(b, conf[b]), plan.estimate(b, e, True))
-            if copy > model:
-                self.copy[b], self.copy_conf[b] = toks, e
+            if n >= LOOKUP_MIN_N:
+                e = rec.estimate(n)
+                score = e if plan is None else plan.estimate(b, e, True)
+                if score > best:
+                    best, self.copy[b], self.copy_conf[b], self.copy_len[b] = score, toks, e, self.k
+            if hist is not None:
+                e = history_estimate(rec.history_hits, rec.history_tries, hist)
+                if (e if plan is None else plan.estimate(b, e, True)) > best:
+                    # shorter than k: the rest repeats its last token (a walk stops the row there instead)
+                    toks = hist.tokens + [hist.tokens[-1]] * (self.k - len(hist.tokens))
+                    self.copy[b], self.copy_conf[b], self.copy_len[b] = toks, e, len(hist.tokens)
+                    self.from_history[b] = True
+
+    def _copy_ended(self, j: int) -> None:
+        """A walk drafts no row past its copy's end (a history match shorter than the plan's k)."""
+        for b, c in enumerate(self.copy):
+            if c is not None and j >= self.copy_len[b]:
+                self.walk.active[b] = False
 
     def _copied(self, j: int, tok, q, ids, conf):
         """The draws with the copying rows' tokens put in (a one-hot q for a sampled row)."""
@@ -850,6 +921,7 @@ class Drafting:
                 j = len(self.tokens)
                 self._append(*self._copied(j, self.tokens[-1], self.probs[-1], self.support[-1], self.confs[-1]))
                 if self.walk is not None:
+                    self._copy_ended(j)
                     self.walk.position(j, self.confs[-1], self.copying)
         out = _proposal(self.tokens, self.probs, self.support, len(self.seqs), backlog, self.walk, self.confs,
                         self.copying if any(self.copying) else None)
@@ -857,7 +929,10 @@ class Drafting:
         lengths = out.row_lengths()
         for b, c in enumerate(self.copy):
             if c is not None:
-                self.seqs[b].extra["copy"].copied = lengths[b]
+                rec = self.seqs[b].extra["copy"]
+                rec.copied, rec.from_history = lengths[b], self.from_history[b]
+        if any(self.from_history):
+            out.history = list(self.from_history)
         return out
 
 

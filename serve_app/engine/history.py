@@ -1,0 +1,191 @@
+"""Suffix history: drafting from what earlier requests produced.
+
+Traffic repeats itself across requests more than within one: an agent loop sends the same tool schemas and
+emits near-identical JSON calls, an extraction job fills one template over many documents, a chat product
+answers the same questions. Prompt lookup (`lookup.NgramIndex`) copies from a row's own context; the history
+copies from earlier outputs: it holds the last `capacity` tokens of finished requests (each the end of its
+prompt, where its answer starts, then its output; oldest out first) and, for a row's latest tokens, proposes
+the continuation most of their earlier occurrences took, with how often they agreed.
+
+Layout (about 32 bytes per held token, whatever the traffic): one ring of tokens with each token's tenant,
+and per anchor length n a hash table `head` (hash of a tenant and n tokens -> the most recent position right
+after them) whose chains run through `prev` (position -> the previous position after the same hash), as
+zlib's LZ77 matcher keeps them. A lookup hashes the row's last n tokens (the longest anchor first), walks at
+most `candidates` positions of the chain, keeps those whose tokens before it match the row's (the tenant's
+own, hash collisions and overwritten positions dropped) and walks their continuations token by token: at each
+position the token most of the remaining candidates continue with (`Match.votes`: how many did). Vectorised
+per row in numpy; nothing per step is vocabulary- or history-sized.
+
+A request drafts only from its tenant's outputs (its `cache_salt`; none: the deployment's default tenant),
+unless the deployment shares one history across tenants: a long accepted run would otherwise tell a request
+that another tenant produced that text. Exactness is the copy's: a copied token is verified against a one-hot
+q, and which source a row drafts from depends on its context only, never on a token drawn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+SEPARATOR = -1
+"""Between documents in the ring: no match or continuation crosses it."""
+
+PROMPT_TAIL = 16
+"""Tokens of a request's prompt kept before its output: the start of an answer anchors on where its prompt
+ends (a chat template's assistant turn, a tool schema's last line)."""
+
+
+@dataclass
+class Match:
+    """A history proposal for one row."""
+
+    tokens: list[int]
+    """The continuation, up to k tokens (shorter where the candidates ran out)."""
+    votes: list[int]
+    """Per token, how many of the candidates still agreeing up to it chose it."""
+    voters: list[int]
+    """Per token, how many candidates still agreed up to it (and went on)."""
+    support: int
+    """Candidates whose context matched the row's."""
+    length: int
+    """Tokens of the row's context the best candidate matched (at least the anchor's)."""
+
+    @property
+    def share(self) -> float:
+        """The share of the leading candidates that agree on the first token."""
+        return self.votes[0] / self.voters[0] if self.votes else 0.0
+
+
+def history_estimate(hits: float, tries: float, match: Match, prior_weight: float = 2.0) -> float:
+    """Chance a token copied from a history match is accepted: a prior from the match (the share of earlier
+    occurrences that agree on its first token, times how specific the matched context is: 0.1 per matched
+    token up to 0.9), then the row's own record of history copies (hits of tries) as it grows."""
+    prior = match.share * min(0.1 * match.length, 0.9)
+    return (hits + prior_weight * prior) / (tries + prior_weight)
+
+
+class SuffixHistory:
+    """A bounded history of finished requests' outputs, per tenant, for suffix-matching drafts (module docstring)."""
+
+    def __init__(self, capacity: int = 1 << 20, anchors: tuple[int, ...] = (8, 3), candidates: int = 16,
+                 window: int = 32):
+        if capacity < 64:
+            raise ValueError(f"history capacity {capacity} tokens: at least 64")
+        self.capacity, self.anchors, self.candidates, self.window = capacity, tuple(sorted(anchors, reverse=True)), candidates, window
+        self.tokens = np.full(capacity, SEPARATOR, dtype=np.int32)
+        self.tenant = np.full(capacity, -1, dtype=np.int32)
+        size = 1 << max(int(capacity - 1).bit_length() + 1, 10)  # about half full at capacity
+        self.mask = size - 1
+        self.head = {n: np.full(size, -1, dtype=np.int64) for n in self.anchors}
+        self.prev = {n: np.full(capacity, -1, dtype=np.int64) for n in self.anchors}
+        self.end = 0  # absolute position of the next token written
+        self.tenants: dict[str, int] = {}
+        self.documents = 0
+        self.lookups = self.hits = 0
+
+    def __len__(self) -> int:
+        """Tokens held (separators included)."""
+        return min(self.end, self.capacity)
+
+    def _tenant_id(self, tenant: str) -> int:
+        tid = self.tenants.get(tenant)
+        if tid is None:
+            tid = self.tenants[tenant] = len(self.tenants)
+        return tid
+
+    def _hash(self, tid: int, gram) -> int:
+        return hash((tid, *gram)) & self.mask
+
+    def add(self, output: list[int], tenant: str = "", prompt: list[int] = ()) -> None:
+        """A finished request: the last `PROMPT_TAIL` tokens of its prompt and its output, as one document."""
+        doc = list(prompt[-PROMPT_TAIL:]) + list(output)
+        if len(doc) < 2:
+            return
+        doc = doc[-(self.capacity // 4):]  # one document never floods the ring
+        tid = self._tenant_id(tenant)
+        start, cap = self.end, self.capacity
+        slots = (start + np.arange(len(doc) + 1)) % cap
+        self.tokens[slots] = np.asarray(doc + [SEPARATOR], dtype=np.int32)
+        self.tenant[slots] = tid
+        for n in self.anchors:
+            head, prev = self.head[n], self.prev[n]
+            for i in range(n, len(doc)):  # position start + i follows the anchor doc[i - n : i]
+                h = self._hash(tid, doc[i - n : i])
+                p = start + i
+                prev[p % cap] = head[h]
+                head[h] = p
+        self.end = start + len(doc) + 1
+        self.documents += 1
+
+    def match(self, context: list[int], k: int, tenant: str = "") -> Match | None:
+        """The continuation of the row's context (its last tokens) most earlier occurrences took, up to k tokens;
+        None where the tenant's history holds no occurrence of its last anchor's tokens."""
+        return self.match_rows([context], k, [tenant])[0]
+
+    def match_rows(self, contexts: list[list[int]], k: int, tenants: list[str]) -> list[Match | None]:
+        """`match` for a batch of rows at once (one numpy pass per anchor length, not one per row)."""
+        self.lookups += len(contexts)
+        out: list[Match | None] = [None] * len(contexts)
+        if k <= 0:
+            return out
+        tids = [self.tenants.get(t, -1) for t in tenants]
+        for n in self.anchors:  # the longest anchor first; a row it matched is done
+            rows = [r for r, (c, tid) in enumerate(zip(contexts, tids)) if out[r] is None and tid >= 0 and len(c) >= n]
+            if rows:
+                for r, m in zip(rows, self._match([contexts[r] for r in rows], k, [tids[r] for r in rows], n)):
+                    out[r] = m
+        self.hits += sum(m is not None for m in out)
+        return out
+
+    def _match(self, contexts: list[list[int]], k: int, tids: list[int], n: int) -> list[Match | None]:
+        cap, oldest, R, C = self.capacity, self.end - self.capacity, len(contexts), self.candidates
+        w = min(self.window, max(len(c) for c in contexts))
+        pos = np.empty((R, C), dtype=np.int64)  # [R, C] each row's most recent positions after its anchor
+        p = self.head[n][[self._hash(t, c[-n:]) for t, c in zip(tids, contexts)]]
+        for j in range(C):  # the chains, walked for every row at once
+            pos[:, j] = p
+            p = np.where(p >= 0, self.prev[n][p % cap], -1)
+        tid = np.asarray(tids, dtype=np.int32)[:, None]
+        back = pos[:, :, None] + np.arange(-w, 0)  # [R, C, w] the positions before each candidate
+        ctx = np.full((R, 1, w), -2, dtype=np.int32)  # [R, 1, w] each row's last w tokens (-2 before its start)
+        for r, c in enumerate(contexts):
+            tail = c[-w:]
+            ctx[r, 0, w - len(tail):] = tail
+        same = (self.tokens[back % cap] == ctx) & (back >= oldest)  # overwritten positions match nothing
+        length = np.logical_and.accumulate(same[:, :, ::-1], axis=2).sum(axis=2)  # [R, C] tokens agreeing back from each
+        ok = (pos - n >= oldest) & (self.tenant[(pos - 1) % cap] == tid) & (length >= n)
+        if not ok.any():
+            return [None] * R
+        # the longest matches lead: a candidate whose context agrees further back is the more specific one
+        best_len = np.where(ok, length, 0).max(axis=1, keepdims=True)
+        alive = ok & (length >= np.maximum(n, best_len // 2))  # [R, C]
+        ahead = pos[:, :, None] + np.arange(k)  # [R, C, k]
+        cont = np.where(ahead < self.end, self.tokens[ahead % cap], SEPARATOR)
+        cont = np.where(np.logical_and.accumulate(cont != SEPARATOR, axis=2), cont, SEPARATOR)  # nothing past a document's end
+        # path agreement: how far candidate a's continuation agrees with candidate b's, for every pair
+        agree = np.logical_and.accumulate((cont[:, :, None, :] == cont[:, None, :, :]) & (cont[:, :, None, :] != SEPARATOR), axis=3)
+        both = alive[:, :, None] & alive[:, None, :]
+        score = (agree & both[..., None]).sum(axis=(2, 3))  # [R, C] the path most others share
+        # the row follows the path most candidates share (ties: the most recent); votes per position
+        lead = np.argmax(np.where(alive, score * C + (C - np.arange(C)), -1), axis=1)
+        mine = agree[np.arange(R), lead] & alive[:, :, None]  # [R, C, k] candidates agreeing with it through j
+        votes = mine.sum(axis=1)
+        valid = np.concatenate([alive[:, :, None], mine[:, :, :-1]], axis=2) & (cont != SEPARATOR)
+        voters = valid.sum(axis=1)
+        path = cont[np.arange(R), lead]
+        res: list[Match | None] = []
+        for r, (toks, v, vs, a, o, bl) in enumerate(zip(path.tolist(), votes.tolist(), voters.tolist(),
+                                                      alive.any(axis=1).tolist(), ok.sum(axis=1).tolist(),
+                                                      best_len[:, 0].tolist())):
+            m = next((j for j, t in enumerate(toks) if t == SEPARATOR), len(toks))
+            res.append(Match(toks[:m], v[:m], vs[:m], o, bl) if a and m else None)
+        return res
+
+    def stats(self) -> dict:
+        """Size and hit rate: tokens held, documents added, lookups and how many found a match."""
+        return {"tokens": len(self), "capacity": self.capacity, "documents": self.documents, "tenants": len(self.tenants),
+                "lookups": self.lookups, "hits": self.hits}
+
+
+__all__ = ["Match", "PROMPT_TAIL", "SEPARATOR", "SuffixHistory", "history_estimate"]

@@ -1,0 +1,245 @@
+"""The suffix history (`engine.history`): drafts copied from earlier requests' outputs, scoped by tenant.
+
+The history itself (matches, votes, tenants, its bound), then through the engine with tiny models: greedy
+identical to the target alone, seeded text unchanged, sampling exact, and one tenant's traffic leaving
+another's drafts untouched."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import IdTokenizer, sharp_pair, tiny_llama
+from serve_app.config import EngineConfig, SamplingParams
+from serve_app.drafting import draft_worker
+from serve_app.engine.draftplan import DraftPlan
+from serve_app.engine.history import SEPARATOR, SuffixHistory, history_estimate
+from serve_app.engine.scheduler import Engine
+from serve_app.engine.worker import ModelWorker
+
+
+# ---- the history ---------------------------------------------------------------------------------
+def test_match_proposes_the_continuation_most_earlier_outputs_took():
+    h = SuffixHistory(4096)
+    body = list(range(100, 140))
+    for tail in ([1, 2, 3], [1, 2, 3], [7, 8, 9]):  # two of three earlier outputs went on 1, 2, 3
+        h.add(body[:20] + tail, prompt=[5, 5])
+    m = h.match(body[:20], 3)
+    assert m.tokens == [1, 2, 3] and m.votes == [2, 2, 2] and m.voters == [3, 2, 2]
+    assert m.length >= 8 and m.share == pytest.approx(2 / 3)
+    assert h.match(body[:10], 6).tokens == body[10:16]  # the middle of a document: every output agrees
+    assert h.match([5, 5] + body[:4], 2).tokens == body[4:6]  # the prompt's tail anchors the answer's start
+    assert h.match([9, 9, 9, 9], 4) is None  # never seen
+    # a continuation stops at its document's end: nothing crosses into the next one
+    assert h.match(body[:20] + [7, 8, 9], 4) is None
+    m = h.match(body[14:20] + [1, 2], 4)
+    assert m.tokens == [3] and SEPARATOR not in m.tokens
+
+
+def test_tenants_see_only_their_own_outputs():
+    h = SuffixHistory(4096)
+    secret = list(range(200, 240))
+    h.add(secret, tenant="a")
+    assert h.match(secret[:12], 4, tenant="a").tokens == secret[12:16]
+    assert h.match(secret[:12], 4, tenant="b") is None and h.match(secret[:12], 4) is None
+    h.add(secret[:12] + [1, 1, 1, 1], tenant="b")  # b's own output with the same start
+    assert h.match(secret[:12], 4, tenant="b").tokens == [1, 1, 1, 1]
+    assert h.match(secret[:12], 4, tenant="a").tokens == secret[12:16]
+
+
+def test_memory_is_bounded_and_the_oldest_outputs_go_first():
+    h = SuffixHistory(1024)
+    sizes = (h.tokens.nbytes, h.tenant.nbytes, sum(a.nbytes for a in h.head.values()), sum(a.nbytes for a in h.prev.values()))
+    rng = random.Random(0)
+    first = [rng.randrange(1000, 2000) for _ in range(100)]
+    h.add(first)
+    assert h.match(first[:20], 4).tokens == first[20:24]
+    for _ in range(40):  # 4,000 tokens through a ring of 1,024
+        h.add([rng.randrange(3000, 9000) for _ in range(100)])
+    assert h.match(first[:20], 4) is None  # overwritten: gone, not matched against newer tokens
+    assert len(h) == 1024 and h.documents == 41
+    assert sizes == (h.tokens.nbytes, h.tenant.nbytes, sum(a.nbytes for a in h.head.values()),
+                     sum(a.nbytes for a in h.prev.values()))
+    last = h.tokens[(h.end - 101 + np.arange(100)) % h.capacity].tolist()
+    assert h.match(last[:20], 4).tokens == last[20:24]
+
+
+def test_rows_at_once_match_each_row_alone():
+    rng = random.Random(1)
+    h = SuffixHistory(1 << 14)
+    docs = [[rng.randrange(50) for _ in range(60)] for _ in range(30)]  # a small vocabulary: many partial matches
+    for i, d in enumerate(docs):
+        h.add(d, tenant=str(i % 3))
+    rows = [docs[rng.randrange(30)][: rng.randrange(2, 50)] for _ in range(40)] + [[1], [], [4, 4, 4]]
+    tenants = [str(rng.randrange(4)) for _ in rows]
+    assert h.match_rows(rows, 5, tenants) == [h.match(r, 5, t) for r, t in zip(rows, tenants)]
+
+
+def test_estimate_grows_with_the_match_and_follows_the_rows_record():
+    h = SuffixHistory(4096)
+    body = list(range(300, 340))
+    h.add(body)
+    short, long = h.match(body[:3], 2), h.match(body[:30], 2)
+    assert history_estimate(0, 0, long) > history_estimate(0, 0, short)
+    assert history_estimate(0, 20, long) < 0.1 and history_estimate(20, 20, short) > 0.9
+
+
+# ---- through the engine ----------------------------------------------------------------------------
+PROMPTS = [[1, 2, 3], list(range(10, 40)), [7, 8], [42, 43, 44, 45]]
+
+
+def reference(target, prompts, n):
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, eos_token_id=[])
+        outs.append(out[0, len(p):].tolist())
+    return outs
+
+
+class Fixed:
+    name = "fixed"
+
+    def __init__(self, k):
+        self.k = k
+
+    def choose(self, state):
+        return self.k
+
+    def observe(self, stats):
+        pass
+
+
+class Plans:
+    """Per-row plans with random caps and prices (rows stop on the draft's confidence)."""
+
+    name = "plans"
+
+    def __init__(self, seed=0):
+        self.rng = random.Random(seed)
+
+    def choose(self, state):
+        r = self.rng
+        return DraftPlan(caps=[r.choice([0, 2, 5, 8]) for _ in range(state.batch_size)],
+                         token_value=r.choice([0.0, 0.05, 0.3]))
+
+    def observe(self, stats):
+        pass
+
+
+def history_engine(target, draft, policy, history=4096, shared=False, **cfg):
+    return Engine(ModelWorker(target, "target"), draft_worker(draft, 0, True, history, shared), IdTokenizer(),
+                  EngineConfig(**cfg), policy=policy, eos_ids=set())
+
+
+def copies_from_history(engine) -> list[int]:
+    """Rows per proposal that drafted from the history (appended as the engine steps)."""
+    seen: list[int] = []
+    propose = engine.draft.propose
+
+    def watched(ids, k):
+        out = propose(ids, k)
+        if out.history:
+            seen.append(sum(out.history))
+        return out
+
+    engine.draft.propose = watched
+    return seen
+
+
+@pytest.mark.parametrize("policy", ["fixed", "plans"])
+def test_greedy_identical_with_the_history(tiny_target, tiny_drafts, policy):
+    """Every prompt twice, the second round after the first finished: its rows draft from the first round's
+    outputs, and the text stays the target's own."""
+    ref = reference(tiny_target, PROMPTS, 24)
+    engine = history_engine(tiny_target, tiny_drafts["random"], Fixed(6) if policy == "fixed" else Plans(),
+                            max_batch_size=3)
+    seen = copies_from_history(engine)
+    for _ in range(2):
+        reqs = [engine.submit(p, SamplingParams(max_tokens=24)) for p in PROMPTS]
+        engine.run(reqs)
+        assert [r.output_ids for r in reqs] == ref
+    assert seen, "no row drafted from the history"
+    assert sum(r.stats.accepted for r in reqs) > 0.6 * 24 * len(PROMPTS)  # the repeats copy their earlier answers
+    assert engine.draft.history.stats()["hits"] > 0
+
+
+def test_seeded_text_is_the_same_with_the_history(tiny_target, tiny_drafts):
+    def run(history):
+        engine = history_engine(tiny_target, tiny_drafts["near"], Plans(2), history=history, max_batch_size=3)
+        seen = copies_from_history(engine)
+        outs = []
+        for _ in range(2):
+            reqs = [engine.submit(p, SamplingParams(max_tokens=16, temperature=0.9, seed=s)) for s, p in enumerate(PROMPTS)]
+            engine.run(reqs)
+            outs.append([r.output_ids for r in reqs])
+        return outs, seen
+
+    (off, _), (on, seen) = run(0), run(4096)
+    assert on == off and seen
+
+
+def test_history_copies_keep_sampling_exact(monkeypatch):
+    """Rows that always copy from the history (one-hot q) still emit the target's marginals."""
+    import serve_app.engine.worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "history_estimate", lambda hits, tries, match: 1.0)
+    vocab, trials = 6, 2000
+    target, draft = sharp_pair(vocab, 10)
+    prompt = [1, 2, 3, 4]
+
+    def dist(prefix):
+        with torch.no_grad():
+            return target(torch.tensor([prefix])).logits[0, -1].softmax(-1)
+
+    p1 = dist(prompt)
+    t2 = sum(p1[a] * dist(prompt + [a]) for a in range(vocab))
+    engine = history_engine(target, draft, Fixed(3), max_batch_size=64, max_num_tokens=100_000)
+    engine.draft.history.add([5, 0, 1, 2, 3, 4, 5], prompt=[9])  # every request's context [.., 3, 4] matches
+    reqs = [engine.submit(prompt, SamplingParams(max_tokens=2, temperature=1.0)) for _ in range(trials)]
+    engine.run(reqs)
+    assert sum(r.stats.accepted for r in reqs) > 0.05 * trials  # copies were proposed and some accepted
+    f1 = torch.bincount(torch.tensor([r.output_ids[0] for r in reqs]), minlength=vocab).double() / trials
+    f2 = torch.bincount(torch.tensor([r.output_ids[1] for r in reqs]), minlength=vocab).double() / trials
+    assert (f1 - p1).abs().sum() / 2 < 0.04, (f1, p1)
+    assert (f2 - t2).abs().sum() / 2 < 0.04, (f2, t2)
+
+
+def test_one_tenants_traffic_leaves_anothers_drafts_unchanged(tiny_target, tiny_drafts):
+    """Tenant a's requests fill the history; tenant b's (same prompts) then draft exactly as on a fresh engine,
+    while a's own repeats copy from it. With a shared history (`history_scope: shared`) b copies too."""
+    def run(engine, salt):
+        reqs = [engine.submit(p, SamplingParams(max_tokens=20, cache_salt=salt)) for p in PROMPTS]
+        engine.run(reqs)
+        return [(r.output_ids, r.stats.proposed, r.stats.accepted) for r in reqs]
+
+    fresh = run(history_engine(tiny_target, tiny_drafts["random"], Fixed(4), max_batch_size=2), "b")
+    engine = history_engine(tiny_target, tiny_drafts["random"], Fixed(4), max_batch_size=2)
+    first_a = run(engine, "a")
+    assert run(engine, "b") == fresh  # b's acceptance untouched by a's traffic
+    again_a = run(engine, "a")
+    assert sum(a for _, _, a in again_a) > sum(a for _, _, a in first_a) + 20
+    shared = history_engine(tiny_target, tiny_drafts["random"], Fixed(4), shared=True, max_batch_size=2)
+    run(shared, "a")
+    assert sum(a for _, _, a in run(shared, "b")) > sum(a for _, _, a in fresh) + 20
+
+
+def test_a_replica_drafts_from_anothers_outputs(tiny_target, tiny_drafts):
+    """What the shared store carries between replicas: one draft's remembered outputs (`take_history`) into
+    another's (`add_history`); the second then copies the first one's answers."""
+    one = history_engine(tiny_target, tiny_drafts["random"], Fixed(4), max_batch_size=2)
+    two = history_engine(tiny_target, tiny_drafts["random"], Fixed(4), max_batch_size=2)
+    reqs = [one.submit(p, SamplingParams(max_tokens=20)) for p in PROMPTS]
+    one.run(reqs)
+    docs = one.draft.take_history()
+    assert len(docs) == len(PROMPTS) and one.draft.take_history() == []
+    fresh = history_engine(tiny_target, tiny_drafts["random"], Fixed(4), max_batch_size=2)
+    cold = [fresh.submit(p, SamplingParams(max_tokens=20)) for p in PROMPTS[2:]]
+    fresh.run(cold)
+    two.draft.add_history(docs)
+    warm = [two.submit(p, SamplingParams(max_tokens=20)) for p in PROMPTS[2:]]
+    two.run(warm)
+    assert [r.output_ids for r in warm] == [r.output_ids for r in cold]
+    assert sum(r.stats.accepted for r in warm) > 0.6 * 20 * len(warm) > sum(r.stats.accepted for r in cold) + 5
