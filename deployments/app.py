@@ -1,4 +1,5 @@
-"""build_app: wire ProfileStore, one Router deployment per engine group, and the OpenAI ingress.
+"""build_app: wire ProfileStore, HistoryStore (the shared suffix history), one Router deployment per engine
+group, and the OpenAI ingress.
 
 Usable by `serve run deployments.app:build_app` with args, by serve_config.yaml (and so by a
 KubeRay RayService), and by `specserve serve`.
@@ -12,6 +13,7 @@ from serve_app.models import EMBEDDED
 
 from .config import AppConfig
 from .ingress import OpenAIIngress
+from .history_store import HistoryStore
 from .profile_store import ProfileStore
 from .router import Router
 
@@ -29,6 +31,8 @@ def build_app(args: dict | None = None) -> Application:
     logs = {"enable_access_log": cfg.access_log}
     pinned = {"ray_actor_options": {"num_cpus": 0, "resources": cfg.ingress_resources}} if cfg.ingress_resources else {}
     store = ProfileStore.options(logging_config=logs, **pinned).bind(cfg.profiles_dir)
+    history = (HistoryStore.options(logging_config=logs, **pinned).bind(cfg.model.history_tokens)
+               if cfg.model.prompt_lookup and cfg.model.history_tokens else None)
     routers = []
     for g in cfg.groups:
         actor_options: dict = {"num_cpus": 0}
@@ -41,7 +45,8 @@ def build_app(args: dict | None = None) -> Application:
                 name=f"Router-{g.name}", num_replicas=g.num_replicas, ray_actor_options=actor_options,
                 health_check_period_s=cfg.health_check_period_s, graceful_shutdown_timeout_s=cfg.drain_timeout_s,
                 logging_config=logs,
-            ).bind(g.model_dump(), cfg.model.model_dump(), cfg.engine.model_dump(), cfg.max_queue, store, cfg.profile_poll_s)
+            ).bind(g.model_dump(), cfg.model.model_dump(), cfg.engine.model_dump(), cfg.max_queue, store, cfg.profile_poll_s,
+                   history)
         )
     return OpenAIIngress.options(graceful_shutdown_timeout_s=cfg.drain_timeout_s, logging_config=logs, **pinned).bind(
         routers, [g.name for g in cfg.groups], cfg.model.target, served_name(cfg),

@@ -50,6 +50,19 @@ def render_metrics(snapshots: dict[str, dict], model_name: str) -> str:
               f"# TYPE {name} gauge"]
     lines += [f"{name}{{{labels(r, s, source=src, version=s['profile']['version'])}}} {float(src == s['profile']['source'])}"
               for r, s in snapshots.items() if "profile" in s for src in ("measured", "predicted", "none")]
+    name = "specserve_draft_source_tokens_total"
+    lines += [f"# HELP {name} Draft tokens by source (model, context: prompt lookup, history: earlier outputs) and outcome.",
+              f"# TYPE {name} counter"]
+    lines += [f"{name}{{{labels(r, s, source=src, outcome=outcome)}}} {float(n)}"
+              for r, s in snapshots.items() for outcome in ("proposed", "accepted")
+              for src, n in sorted(s["counters"].get(f"source_{outcome}", {}).items())]
+    held = {r: s["history"] for r, s in snapshots.items() if s.get("history")}
+    for name, kind, help_text, key in (
+            ("specserve_history_tokens", "gauge", "Tokens the draft's suffix history holds.", "tokens"),
+            ("specserve_history_lookups_total", "counter", "Suffix history lookups (one per copyable row per proposal).", "lookups"),
+            ("specserve_history_hits_total", "counter", "Suffix history lookups that found a match.", "hits")):
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        lines += [f"{name}{{{labels(r, snapshots[r])}}} {float(h[key])}" for r, h in held.items()]
     calibrated = {r: s["calibration"] for r, s in snapshots.items() if s.get("calibration")}
     name = "specserve_calibration_factor"
     lines += [f"# HELP {name} Measured / profiled step time of one part (draft, verify, other) at a profiled batch size, "

@@ -53,7 +53,8 @@ LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 @serve.deployment(max_ongoing_requests=4096, health_check_period_s=10, health_check_timeout_s=60,
                   ray_actor_options={"num_cpus": 0})
 class Router:
-    async def __init__(self, group: dict, model: dict, engine: dict, max_queue: int, store=None, profile_poll_s: float = 2.0):
+    async def __init__(self, group: dict, model: dict, engine: dict, max_queue: int, store=None, profile_poll_s: float = 2.0,
+                       history=None):
         self.group = GroupConfig(**group)
         mc, self.engine_config = ModelConfig(**model), EngineConfig(**engine)
         self.max_queue, self.store, self.profile_poll_s = max_queue, store, profile_poll_s
@@ -97,12 +98,21 @@ class Router:
         self.max_batch_seen = 0
         self._poll_task: asyncio.Task | None = None
         self._metrics()
+        # the deployment's shared suffix history (`history_store`): what this replica's draft finished goes there,
+        # what the others finished comes back; pulled once now so a new replica drafts warm from its first request
+        self.history_store, self.history_seen, self.history_draft = history, (None, 0), None
+        self.history: dict | None = None  # the draft's history stats, as of the last exchange
+        try:
+            await self._exchange_history()
+        except Exception:
+            log.warning("could not pull the shared suffix history", exc_info=True)
 
     @staticmethod
     def new_totals() -> dict:
         return {"requests": Tally(), "prompt_tokens": 0, "generated_tokens": 0, "drafts": 0,
                 "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_position": Tally(),
-                "prefix_queries": 0, "prefix_hits": 0, "preemptions": 0}
+                "prefix_queries": 0, "prefix_hits": 0, "preemptions": 0,
+                "source_proposed": Tally(), "source_accepted": Tally()}
 
     # ---- setup -------------------------------------------------------------------------------
     def _resources(self) -> dict:
@@ -306,8 +316,17 @@ class Router:
         self.m_profile = metrics.Gauge("specserve_profile_info",
                                        "1 on the series of the kind of profile this group holds (measured, predicted, "
                                        "or none); 0 on the others.", tag_keys=tags + ("source",))
+        self.m_source = metrics.Counter("specserve_draft_source_tokens",
+                                        "Draft tokens by source (model, context: prompt lookup, history: earlier outputs) "
+                                        "and outcome (proposed, accepted).", tag_keys=tags + ("source", "outcome"))
+        self.m_history_tokens = metrics.Gauge("specserve_history_tokens", "Tokens the draft's suffix history holds.",
+                                              tag_keys=tags)
+        self.m_history_hits = metrics.Gauge("specserve_history_hit_ratio",
+                                            "Share of the suffix history's lookups that found a match (since its draft started).",
+                                            tag_keys=tags)
         for m in (self.m_recoveries, self.m_resumed, self.m_requests, self.m_prompt, self.m_generated, self.m_proposed, self.m_accepted,
-                  self.m_ttft, self.m_tpot, self.m_step, self.m_batch, self.m_k, self.m_queue, self.m_estimate, self.m_profile):
+                  self.m_ttft, self.m_tpot, self.m_step, self.m_batch, self.m_k, self.m_queue, self.m_estimate, self.m_profile,
+                  self.m_source, self.m_history_tokens, self.m_history_hits):
             m.set_default_tags({"gpu_type": self.gpu_type, "group": self.group.name})
         self._profile_gauge()
 
@@ -425,6 +444,12 @@ class Router:
             t["accepted_tokens"] += st.accepted
             for i, n in enumerate(st.accepted_per_position):
                 t["accepted_per_position"][i] += n
+            for src, (proposed, accepted) in st.by_source.items():
+                t["source_proposed"][src] += proposed
+                t["source_accepted"][src] += accepted
+                self.m_source.inc(proposed, tags={"source": src, "outcome": "proposed"})
+                if accepted:
+                    self.m_source.inc(accepted, tags={"source": src, "outcome": "accepted"})
             self.k_tally[st.k] += 1
             self.max_batch_seen = max(self.max_batch_seen, st.batch_size)
             if st.proposed:
@@ -497,6 +522,10 @@ class Router:
                 await self.store.report.remote(serve.get_replica_context().replica_id.unique_id, self.snapshot())
             except Exception:
                 log.warning("could not report metrics to the store", exc_info=True)
+            try:
+                await self._exchange_history()
+            except Exception:
+                log.warning("could not exchange the suffix history with the store", exc_info=True)
             self._polls += 1
             if self._polls % self.SHARE_EVERY == 0:
                 try:
@@ -509,6 +538,30 @@ class Router:
                 self.engine.policy = self._policy()  # the next step uses it
                 self._profile_gauge()
                 log.info("profile for %s now version %d (%s)", self.gpu_type, version, self.profile_source())
+
+    async def _exchange_history(self) -> None:
+        """This replica's finished outputs to the shared history store, the other replicas' into its draft
+        (`deployments.history_store`). A new draft (started, or replaced after dying) holds none: it pulls all."""
+        if len(self.actors) < 2 or 1 in self.starting:
+            return
+        draft = self.actors[1]
+        if draft is not self.history_draft:
+            self.history = await draft.call.remote("history_stats")
+            self.history_draft, self.history_seen = draft, (None, 0)
+        if self.history is None:  # a draft without a history (off, or an n-gram draft)
+            return
+        if self.history_store is not None:
+            me = serve.get_replica_context().replica_id.unique_id
+            mine = await draft.call.remote("take_history")
+            if mine:
+                await self.history_store.push.remote(me, mine)
+            epoch, last, docs = await self.history_store.pull.remote(me, self.history_seen[1], self.history_seen[0])
+            if docs:
+                await draft.call.remote("add_history", docs)
+            self.history_seen = (epoch, last)
+        self.history = h = await draft.call.remote("history_stats")
+        self.m_history_tokens.set(h["tokens"])
+        self.m_history_hits.set(h["hits"] / h["lookups"] if h["lookups"] else 0.0)
 
     async def check_health(self) -> None:
         """A dead worker found here is repaired in place (the engine replaces it, see `_repair`); only a
@@ -559,13 +612,14 @@ class Router:
         return {"group": self.group.name, "gpu_type": self.gpu_type, "time": time.time(),
                 "profile": {"source": self.profile_source(), "version": self.profile_version},
                 "counters": {**{k: v for k, v in t.items() if not isinstance(v, Tally)},
-                             "requests": dict(t["requests"]),
+                             "requests": dict(t["requests"]), "source_proposed": dict(t["source_proposed"]),
+                             "source_accepted": dict(t["source_accepted"]),
                              "accepted_per_position": [t["accepted_per_position"][i] for i in range(len(t["accepted_per_position"]))]},
                 "gauges": {**self.last_step, "running": len(self.engine.running) + len(self.engine.prefilling),
                            "waiting": len(self.engine.waiting), "acceptance_estimate": self.acceptance_estimate(),
                            "kv_usage": self.engine.reserved / self.engine.kv_capacity,
                            "kv_pool_tokens": self.engine.kv_capacity},
-                "calibration": self.calibration()}
+                "calibration": self.calibration(), "history": self.history}
 
     async def max_model_len(self) -> int:
         return self.engine.max_model_len
@@ -585,7 +639,9 @@ class Router:
             "waiting": len(self.engine.waiting), "reserved": self.engine.reserved,
             "actors": self.actor_names, "recoveries": self.recoveries, "resumed": self.resumed, "repairing": self.engine.repairing,
             "speculating": self.engine.speculating, "calibration": self.calibration(), "regret": self.regret(),
-            "startup_profile": self.startup, "kv_pool": self.engine.kv_pool,
+            "startup_profile": self.startup, "kv_pool": self.engine.kv_pool, "history": self.history,
+            "draft_sources": {src: {"proposed": n, "accepted": self.totals["source_accepted"][src]}
+                              for src, n in self.totals["source_proposed"].items()},
         }
 
     def __del__(self):

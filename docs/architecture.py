@@ -117,6 +117,8 @@ def draw(out: Path) -> None:
 
     store = box(ax, 44, 49.5, 62, 55.5, "ProfileStore", "profiles by GPU type, versioned",
                 color=ORANGE, title_at_top=False, title_size=12.5, body_size=10)
+    history = box(ax, 73, 49.5, 95.5, 55.5, "HistoryStore", "earlier outputs, per tenant",
+                  color=ORANGE, title_at_top=False, title_size=12.5, body_size=10)
 
     # ---- outside the cluster ----------------------------------------------------------------------------
     client = box(ax, 1, 35, 14.5, 43, "Client", "openai SDK / curl", color=PURPLE, title_at_top=False)
@@ -136,6 +138,8 @@ def draw(out: Path) -> None:
           size=9.5)
     arrow(ax, store.bottom(), router.top(), "routers poll\nevery profile_poll_s", label_at=(53.6, 47.3),
           ha="left", va="center", size=9.5)
+    arrow(ax, history.bottom(93), draft.top(93), "outputs pushed and pulled\nwith each poll (suffix history)",
+          label_at=(92.2, 47.8), ha="right", va="center", both=True, size=9.5)
     arrow(ax, router.right(draft.cy), draft.left(), "token ids", label_at=(68, draft.cy + 0.6), both=True, size=9.5)
     arrow(ax, router.right(target.cy), target.left(), "token ids\n(+ draft probs\nwhen sampling)",
           label_at=(68, target.cy + 0.6), both=True, size=9)

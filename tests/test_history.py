@@ -157,11 +157,23 @@ def test_greedy_identical_with_the_history(tiny_target, tiny_drafts, policy):
     engine = history_engine(tiny_target, tiny_drafts["random"], Fixed(6) if policy == "fixed" else Plans(),
                             max_batch_size=3)
     seen = copies_from_history(engine)
+    sources: dict[str, list[int]] = {}
+    totals = [0, 0]
+
+    def tally(st):
+        totals[0], totals[1] = totals[0] + st.proposed, totals[1] + st.accepted
+        for src, (proposed, accepted) in st.by_source.items():
+            sources.setdefault(src, [0, 0])
+            sources[src][0] += proposed
+            sources[src][1] += accepted
+
+    engine.on_step.append(tally)
     for _ in range(2):
         reqs = [engine.submit(p, SamplingParams(max_tokens=24)) for p in PROMPTS]
         engine.run(reqs)
         assert [r.output_ids for r in reqs] == ref
     assert seen, "no row drafted from the history"
+    assert sources["history"][1] > 0 and [sum(x) for x in zip(*sources.values())] == totals  # every token has a source
     assert sum(r.stats.accepted for r in reqs) > 0.6 * 24 * len(PROMPTS)  # the repeats copy their earlier answers
     assert engine.draft.history.stats()["hits"] > 0
 
@@ -243,3 +255,19 @@ def test_a_replica_drafts_from_anothers_outputs(tiny_target, tiny_drafts):
     two.run(warm)
     assert [r.output_ids for r in warm] == [r.output_ids for r in cold]
     assert sum(r.stats.accepted for r in warm) > 0.6 * 20 * len(warm) > sum(r.stats.accepted for r in cold) + 5
+
+
+def test_the_shared_log_hands_each_replica_the_others_outputs_and_stays_bounded():
+    from deployments.history_store import HistoryLog
+
+    log = HistoryLog(capacity=100)
+    log.push("r1", [("", [1], [2, 3, 4])])
+    log.push("r2", [("t", [5], [6, 7])])
+    epoch, last, docs = log.pull("r1", 0)  # a first pull (no epoch yet): all but its own
+    assert last == 2 and docs == [("t", [5], [6, 7])]
+    assert log.pull("r1", last, epoch) == (epoch, 2, [])
+    log.push("r2", [("", [], list(range(30)))] * 4)  # 120 tokens through a log of 100: the oldest go
+    assert log.tokens <= 100 and log.pull("r3", 0, epoch)[2] == [("", [], list(range(30)))] * 3
+    fresh = HistoryLog(capacity=100)  # the store restarted: a replica's numbers are from the old one
+    fresh.push("r2", [("", [], [9, 9])])
+    assert fresh.pull("r1", 5, epoch)[2] == [("", [], [9, 9])]

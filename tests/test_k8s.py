@@ -388,6 +388,7 @@ EXPORTED = {  # what the Routers export (tests/test_loadtest.py checks this set 
     "ray_specserve_requests_total", "ray_specserve_prompt_tokens_total", "ray_specserve_generated_tokens_total",
     "ray_specserve_proposed_tokens_total", "ray_specserve_accepted_tokens_total", "ray_specserve_batch_size",
     "ray_specserve_speculation_k", "ray_specserve_queue_depth", "ray_specserve_acceptance_estimate",
+    "ray_specserve_draft_source_tokens_total", "ray_specserve_history_tokens", "ray_specserve_history_hit_ratio",
     *(f"ray_specserve_{h}_seconds_{s}" for h in ("ttft", "tpot", "step") for s in ("bucket", "sum", "count")),
 }
 

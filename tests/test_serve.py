@@ -617,6 +617,7 @@ def test_killed_router_replica_mid_stream_resumes_on_its_replacement(crash):
     assert texts == crash["expected"]
     new = crash_stats()
     assert new["recoveries"] == [] and new["resumed"] == len(PROMPTS)  # a new replica continued all three
+    assert new["history"]["documents"] > 0  # and drafts warm: it pulled the shared suffix history at start
 
 
 def test_request_during_recovery_waits_then_succeeds_and_readiness_says_so(crash):
@@ -666,6 +667,31 @@ def offline_chat(service, messages, max_tokens=12):
     req = engine.submit(encode_chat(models.tokenizer, messages), SamplingParams(max_tokens=max_tokens))
     engine.run([req])
     return models.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+
+
+def test_replicas_share_one_suffix_history_and_draft_from_it(service):
+    """An answer finished on one group's replica reaches the other's draft through the shared history store
+    (each Router pushes and pulls with its poll); asked again, the answer is drafted from the history."""
+    def held():
+        return {g: stats(g)["history"]["documents"] for g in "AB"}
+
+    def history_accepted():
+        return sum(stats(g)["draft_sources"].get("history", {}).get("accepted", 0) for g in "AB")
+
+    before, accepted = held(), history_accepted()
+    c = service["client"]
+    prompt = "a history of the seven days: monday tuesday wednesday"
+    first = c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+    deadline = time.time() + 30
+    while time.time() < deadline and not all(n > before[g] for g, n in held().items()):
+        time.sleep(0.25)
+    assert all(n > before[g] for g, n in held().items()), (before, held())  # in both drafts' histories
+    for _ in range(2):
+        assert c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0).choices[0].text == first
+    assert history_accepted() > accepted + 8
+    text = httpx.get(f"{service['url']}/metrics").text
+    assert 'specserve_draft_source_tokens_total{' in text and 'source="history"' in text
+    assert "specserve_history_tokens{" in text
 
 
 def test_chat_message_shapes_clients_send(service):

@@ -100,6 +100,10 @@ class NgramWorker:
         for sid in gone:
             del self.seqs[sid]
 
+    def history_stats(self) -> None:
+        """No suffix history: an n-gram draft copies from its own context only."""
+        return None
+
     def reset(self) -> None:
         """Drop every sequence (after a failed step)."""
         self.remove(list(self.order))

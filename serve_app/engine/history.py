@@ -72,6 +72,8 @@ class SuffixHistory:
                  window: int = 32):
         if capacity < 64:
             raise ValueError(f"history capacity {capacity} tokens: at least 64")
+        capacity = 1 << (capacity - 1).bit_length()  # a power of two: a position's slot is a mask, not a division
+        self.ring_mask = capacity - 1
         self.capacity, self.anchors, self.candidates, self.window = capacity, tuple(sorted(anchors, reverse=True)), candidates, window
         self.tokens = np.full(capacity, SEPARATOR, dtype=np.int32)
         self.tenant = np.full(capacity, -1, dtype=np.int32)
@@ -139,29 +141,40 @@ class SuffixHistory:
         return out
 
     def _match(self, contexts: list[list[int]], k: int, tids: list[int], n: int) -> list[Match | None]:
-        cap, oldest, R, C = self.capacity, self.end - self.capacity, len(contexts), self.candidates
+        heads = self.head[n][[self._hash(t, c[-n:]) for t, c in zip(tids, contexts)]]
+        found = np.flatnonzero(heads >= 0).tolist()
+        out: list[Match | None] = [None] * len(contexts)
+        if found:  # only the rows whose anchor was seen
+            for r, m in zip(found, self._candidates([contexts[r] for r in found], k, [tids[r] for r in found], n,
+                                                    heads[found])):
+                out[r] = m
+        return out
+
+    def _candidates(self, contexts: list[list[int]], k: int, tids: list[int], n: int, p: np.ndarray) -> list[Match | None]:
+        cap, oldest, R, C = self.ring_mask, self.end - self.capacity, len(contexts), self.candidates
         w = min(self.window, max(len(c) for c in contexts))
-        pos = np.empty((R, C), dtype=np.int64)  # [R, C] each row's most recent positions after its anchor
-        p = self.head[n][[self._hash(t, c[-n:]) for t, c in zip(tids, contexts)]]
+        pos = np.full((R, C), -1, dtype=np.int64)  # [R, C] each row's most recent positions after its anchor
         for j in range(C):  # the chains, walked for every row at once
             pos[:, j] = p
-            p = np.where(p >= 0, self.prev[n][p % cap], -1)
+            p = np.where(p >= 0, self.prev[n][p & cap], -1)
+            if (p < 0).all():
+                break
         tid = np.asarray(tids, dtype=np.int32)[:, None]
         back = pos[:, :, None] + np.arange(-w, 0)  # [R, C, w] the positions before each candidate
         ctx = np.full((R, 1, w), -2, dtype=np.int32)  # [R, 1, w] each row's last w tokens (-2 before its start)
         for r, c in enumerate(contexts):
             tail = c[-w:]
             ctx[r, 0, w - len(tail):] = tail
-        same = (self.tokens[back % cap] == ctx) & (back >= oldest)  # overwritten positions match nothing
+        same = (self.tokens[back & cap] == ctx) & (back >= oldest)  # overwritten positions match nothing
         length = np.logical_and.accumulate(same[:, :, ::-1], axis=2).sum(axis=2)  # [R, C] tokens agreeing back from each
-        ok = (pos - n >= oldest) & (self.tenant[(pos - 1) % cap] == tid) & (length >= n)
+        ok = (pos - n >= oldest) & (self.tenant[(pos - 1) & cap] == tid) & (length >= n)
         if not ok.any():
             return [None] * R
         # the longest matches lead: a candidate whose context agrees further back is the more specific one
         best_len = np.where(ok, length, 0).max(axis=1, keepdims=True)
         alive = ok & (length >= np.maximum(n, best_len // 2))  # [R, C]
         ahead = pos[:, :, None] + np.arange(k)  # [R, C, k]
-        cont = np.where(ahead < self.end, self.tokens[ahead % cap], SEPARATOR)
+        cont = np.where(ahead < self.end, self.tokens[ahead & cap], SEPARATOR)
         cont = np.where(np.logical_and.accumulate(cont != SEPARATOR, axis=2), cont, SEPARATOR)  # nothing past a document's end
         # path agreement: how far candidate a's continuation agrees with candidate b's, for every pair
         agree = np.logical_and.accumulate((cont[:, :, None, :] == cont[:, None, :, :]) & (cont[:, :, None, :] != SEPARATOR), axis=3)

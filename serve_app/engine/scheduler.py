@@ -360,6 +360,7 @@ class Engine:
         st.accepted = sum(got)
         st.accepted_per_position = [sum(n > i for n in got) for i in range(k)]
         st.predicted = sum(len(t) for t in predicted.values())
+        st.by_source = by_source(drafts, mine, got)
         st.generated = sum(len(x) for x in new)
         if drafts.lengths is not None:  # a per-row plan: what each row drafted and got, for the policy
             st.rows = RowOutcomes([ids[b] for b in drafting], mine, got, drafts.conf, drafts.lookup,
@@ -707,6 +708,19 @@ def split_rows(features, n: int) -> tuple:
     if isinstance(features, tuple):
         return features
     return features[:n], features[n:]
+
+
+def by_source(drafts: Proposal, drafted: list[int], accepted: list[int]) -> dict[str, list[int]]:
+    """Draft tokens [proposed, accepted] by source (model, context, history) over the drafting rows."""
+    out: dict[str, list[int]] = {}
+    copied, history = drafts.lookup or [], drafts.history or []
+    for b, (n, a) in enumerate(zip(drafted, accepted)):
+        if n:
+            src = ("history" if b < len(history) and history[b] else "context") if b < len(copied) and copied[b] else "model"
+            tally = out.setdefault(src, [0, 0])
+            tally[0] += n
+            tally[1] += a
+    return out
 
 
 def with_predictions(drafts: Proposal, drafting: list[int], predicted: dict[int, list[int]], params: list) -> Proposal:

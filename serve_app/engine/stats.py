@@ -80,6 +80,9 @@ class StepStats(Acceptance):
     """Seconds in everything else: scheduling, acceptance bookkeeping, detokenizing."""
     rows: RowOutcomes | None = None
     """Per row, with a per-row plan (k is then the longest row's drafted tokens, proposed their sum)."""
+    by_source: dict[str, list[int]] = field(default_factory=dict)
+    """Draft tokens [proposed, accepted] by where they came from: `model` (the draft model), `context` (copied
+    from the row's own context: prompt lookup), `history` (copied from earlier outputs: `engine.history`)."""
     draft_forwards: int = 0
     """Forwards the draft model ran for the step's proposal (k at a fixed k; fewer when a plan stopped rows or rows
     copied from their context; 1 when a plan kept nothing after the first): its draft time is priced by them."""
