@@ -229,6 +229,21 @@ def _parser() -> argparse.ArgumentParser:
     br.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/bench-replay-<hardware type>)")
     br.set_defaults(func=_cmd_bench_replay)
 
+    bh = bsub.add_parser("history", help="the suffix history on against off: (f) repeating traffic (agent loops, "
+                                         "extraction, rewrites, chat) and (b) plain chat, paired rounds")
+    _model_args(bh)
+    bh.add_argument("--profile", default=None, help="profile JSON (default profiles/<hardware type>.json)")
+    bh.add_argument("--policy", default="budget")
+    bh.add_argument("--parts", default="f,b", help="of f (repeating traffic) and b (time-varying chat)")
+    bh.add_argument("--scale", type=float, default=1.0, help="schedule length ((f): 60 s x scale at 1.2 requests/s)")
+    bh.add_argument("--rounds", type=int, default=3, help="paired rounds, the order rotating")
+    bh.add_argument("--warmup", type=float, default=0.25, help="share of the requests left out of the latency")
+    bh.add_argument("--history-tokens", type=int, default=1 << 20)
+    bh.add_argument("--replay", action="store_true", help="also the deterministic replay on the profile's cost model")
+    bh.add_argument("--seed", type=int, default=0)
+    bh.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/bench-history-<hardware type>)")
+    bh.set_defaults(func=_cmd_bench_history)
+
     bw = bsub.add_parser("proposal-width", help="a sampled row's top-N draft proposal: exact acceptance against the "
                                                  "full distribution; the coupled sampler's noise against iid Gumbel")
     bw.add_argument("--prompts", type=int, default=16)
@@ -795,6 +810,40 @@ def _cmd_bench_replay(args) -> int:
         if batches:
             res["grid"] = rp.replay_grid(models, profile, policies, batches, docs, bar=bar)
     _write_bench(args, "replay", res, rp.markdown(res, policies))
+    return 0
+
+
+def _cmd_bench_history(args) -> int:
+    import random
+
+    from tqdm import tqdm
+
+    from serve_app.bench import repeating
+    from serve_app.hardware import detect_gpu_type
+    from serve_app.models import load_models
+    from serve_app.profiling.profiles import load_profile
+
+    if args.rounds < 1 or not 0 <= args.warmup < 1 or args.history_tokens < 64:
+        raise UsageError("need --rounds >= 1, 0 <= --warmup < 1 and --history-tokens >= 64")
+    models = load_models(_bench_model(args))
+    profile = load_profile(args.profile or f"profiles/{detect_gpu_type()}.json")
+    tok, parts = models.tokenizer, {}
+    for name in [p.strip() for p in args.parts.split(",") if p.strip()]:
+        rng = random.Random(args.seed)
+        if name == "f":
+            parts[name] = repeating.repeating_jobs(tok, rng, args.scale)
+        elif name == "b":
+            parts[name] = repeating.chat_jobs(tok, rng, args.scale)
+        else:
+            raise UsageError(f"--parts: unknown part {name!r} (f, b)")
+    res = {"gpu_type": profile.gpu_type, "target": models.target_name, "draft": models.draft_name, "policy": args.policy,
+           "rounds": args.rounds, "warmup": args.warmup, "scale": args.scale, "history_tokens": args.history_tokens}
+    with tqdm(total=2 * args.rounds * sum(len(j) for j in parts.values()), desc="history", unit="req") as bar:
+        res["parts"] = repeating.bench_history(models, profile, args.policy, parts, args.rounds, args.warmup,
+                                               args.history_tokens, bar)
+    if args.replay:
+        res["replay"] = repeating.replay_history(models, profile, args.policy, parts, args.history_tokens, args.warmup)
+    _write_bench(args, "history", res, repeating.markdown(res))
     return 0
 
 

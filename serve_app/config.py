@@ -125,6 +125,11 @@ class EngineConfig(BaseModel):
     max_k: int = Field(8, ge=0, le=32)
     """Largest speculation length any policy may choose; sizes the KV headroom reserved per sequence."""
 
+    max_copy_tokens: int = Field(16, ge=0, le=64)
+    """Under a per-row plan (`budget`), most tokens a row that copies (from its own context or the suffix
+    history) may draft in one step; rows the draft model drafts stay within max_k. A copy needs no draft
+    forward, so a long run that agrees is verified in one step. Below max_k: max_k."""
+
     max_predicted_tokens: int = Field(32, ge=0, le=256)
     """Most tokens of a request's predicted output (OpenAI Predicted Outputs) drafted for it in one step,
     within the step's token budget; they need no draft forward. 0: predictions are not drafted from."""

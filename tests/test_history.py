@@ -76,13 +76,19 @@ def test_rows_at_once_match_each_row_alone():
     assert h.match_rows(rows, 5, tenants) == [h.match(r, 5, t) for r, t in zip(rows, tenants)]
 
 
-def test_estimate_grows_with_the_match_and_follows_the_rows_record():
+def test_estimate_grows_with_the_match_drops_where_outputs_part_and_follows_the_rows_record():
     h = SuffixHistory(4096)
     body = list(range(300, 340))
     h.add(body)
     short, long = h.match(body[:3], 2), h.match(body[:30], 2)
-    assert history_estimate(0, 0, long) > history_estimate(0, 0, short)
-    assert history_estimate(0, 20, long) < 0.1 and history_estimate(20, 20, short) > 0.9
+    assert history_estimate(0, 0, long)[0] > history_estimate(0, 0, short)[0]
+    assert history_estimate(0, 20, long)[0] < 0.1 and history_estimate(20, 20, short)[0] > 0.9
+    for slot in (7, 8, 9):  # a template filled three more times: its slot (the 4th token after the key) differs
+        h.add(body[:20] + [1, 2, 3, slot, 4, 5])
+    m = h.match(body[:20], 6)
+    e = history_estimate(0, 0, m)
+    assert m.tokens[:3] == [1, 2, 3] and m.votes[0] == 3 and m.voters[0] == 4  # the body's own output parts at once
+    assert e[1] == e[2] > e[0] > e[3] and e[3] < e[2] / 2  # 3 of 4 agree, then all 3, then 1 of 3 at the slot
 
 
 # ---- through the engine ----------------------------------------------------------------------------
@@ -197,7 +203,7 @@ def test_history_copies_keep_sampling_exact(monkeypatch):
     """Rows that always copy from the history (one-hot q) still emit the target's marginals."""
     import serve_app.engine.worker as worker_mod
 
-    monkeypatch.setattr(worker_mod, "history_estimate", lambda hits, tries, match: 1.0)
+    monkeypatch.setattr(worker_mod, "history_estimate", lambda hits, tries, match: [1.0] * len(match.tokens))
     vocab, trials = 6, 2000
     target, draft = sharp_pair(vocab, 10)
     prompt = [1, 2, 3, 4]
@@ -271,3 +277,28 @@ def test_the_shared_log_hands_each_replica_the_others_outputs_and_stays_bounded(
     fresh = HistoryLog(capacity=100)  # the store restarted: a replica's numbers are from the old one
     fresh.push("r2", [("", [], [9, 9])])
     assert fresh.pull("r1", 5, epoch)[2] == [("", [], [9, 9])]
+
+
+def test_copies_may_go_past_max_k_and_model_rows_may_not(tiny_target, tiny_drafts):
+    """Under a plan a copying row drafts up to `max_copy_tokens` in a step (no draft forward needed), the draft
+    model's rows stay within max_k; the text is the target's either way."""
+    class Long:
+        name = "long"
+
+        def choose(self, state):
+            return DraftPlan(caps=[state.max_copy] * state.batch_size, model_depth=8)
+
+        def observe(self, stats):
+            pass
+
+    ref = reference(tiny_target, PROMPTS, 40)
+    engine = history_engine(tiny_target, tiny_drafts["random"], Long(), max_batch_size=4, max_k=4, max_copy_tokens=12)
+    drafted: list[tuple[int, bool]] = []
+    engine.on_step.append(lambda st: st.rows and drafted.extend(
+        (n, bool(st.rows.lookup and st.rows.lookup[i])) for i, n in enumerate(st.rows.drafted)))
+    for _ in range(2):
+        reqs = [engine.submit(p, SamplingParams(max_tokens=40)) for p in PROMPTS]
+        engine.run(reqs)
+        assert [r.output_ids for r in reqs] == ref
+    assert max(n for n, copied in drafted if not copied) <= 4
+    assert max(n for n, copied in drafted if copied) == 12

@@ -91,8 +91,12 @@ class Replay:
     seconds: float = 0.0
     """Virtual seconds from the first arrival to the last token."""
     tokens: int = 0
+    arrivals: list[float] = field(default_factory=list)
+    """Each finished request's arrival (seconds, the jobs' clock), beside `latencies`."""
+    steps: list[tuple[float, int, int]] = field(default_factory=list)
+    """(virtual seconds since the first arrival, rows decoded, drafts accepted) of every decode step."""
     counts: dict = field(default_factory=lambda: {"target_forwards": 0, "verified_tokens": 0, "draft_forward_rows": 0,
-                                                  "kv_tokens_attended": 0, "proposed": 0, "accepted": 0})
+                                                  "kv_tokens_attended": 0, "proposed": 0, "accepted": 0, "row_steps": 0})
 
     @property
     def mean_latency(self) -> float:
@@ -115,6 +119,7 @@ def _engine(models, profile, policy: str, max_batch: int) -> Engine:
 def _account(rep: Replay, st: StepStats) -> None:
     c = rep.counts
     c["target_forwards"] += 1
+    c["row_steps"] += st.batch_size
     c["verified_tokens"] += st.batch_size + st.proposed
     c["draft_forward_rows"] += (st.draft_forwards or 0) * st.batch_size
     c["kv_tokens_attended"] += sum(st.contexts) * (1 + (st.proposed / st.batch_size if st.batch_size else 0))
@@ -146,10 +151,12 @@ def replay(models, profile, policy: str, jobs: list, max_batch: int = 32) -> Rep
             clock += step_cost_ms(grid, st) / 1000
             if st.batch_size:
                 _account(rep, st)
+                rep.steps.append((clock - start, st.batch_size, st.accepted))
         for req, out in outs:
             if out.finished:
                 at, kind = arrival.pop(req.id)
                 rep.latencies.append(clock - at)
+                rep.arrivals.append(at)
                 rep.kinds.append(kind)
                 rep.tokens += req.stats.generated_tokens
     rep.seconds = clock - start

@@ -177,6 +177,7 @@ class Budget:
         self.curve = ConfidenceCurve()
         self.constrained_curve = ConfidenceCurve()
         self.lookup_curve = ConfidenceCurve()
+        self.history_curve = ConfidenceCurve()  # tokens copied from the suffix history (confidence: its estimate)
         self.requests: dict[str, RequestRecord] = {}
         self._last_seen: dict[str, int] = {}  # request id -> the step it last decoded in
         self._prices: dict[tuple, Prices] = {}  # (batch size, context bucket) -> prices
@@ -248,13 +249,14 @@ class Budget:
         probe = bool(self.probe_every) and self._steps % self.probe_every == 0
         if not probe and not self.worth_it(b, state.max_k, [r.scale for r in recs], rate, p):
             return 0
-        return DraftPlan(caps=[state.max_k] * b, token_value=token_value, forward_value=rate * p.forward_fixed_ms,
+        return DraftPlan(caps=[max(state.max_k, state.max_copy)] * b, token_value=token_value, forward_value=rate * p.forward_fixed_ms,
                          row_value=rate * p.forward_row_ms,
                          scale=[r.scale for r in recs], curve=self.curve.values(), explore=probe,
-                         lookup_curve=self.lookup_curve.values(),
+                         lookup_curve=self.lookup_curve.values(), history_curve=self.history_curve.values(),
                          constrained=list(state.constrained) if any(state.constrained) else None,
                          constrained_curve=self.constrained_curve.values(),
-                         model_depth=max(k_uniform, 1) + probe)  # a probe looks one deeper: that position learns
+                         # a probe looks one deeper: that position learns; copying rows may go on to max_copy
+                         model_depth=min(max(k_uniform, 1) + probe, state.max_k))
 
     def worth_it(self, b: int, max_k: int, scales: list[float], rate: float, p: Prices) -> bool:
         """Whether speculating at all pays this step: for some depth d, the rows' expected accepted tokens
@@ -275,11 +277,13 @@ class Budget:
         conf = rows.conf or [[] for _ in rows.ids]
         lookup = rows.lookup or [False] * len(rows.ids)
         constrained = rows.constrained or [False] * len(rows.ids)
-        for rid, n, acc, cs, copied, masked in zip(rows.ids, rows.drafted, rows.accepted, conf, lookup, constrained):
+        history = rows.history or [False] * len(rows.ids)
+        for rid, n, acc, cs, copied, masked, past in zip(rows.ids, rows.drafted, rows.accepted, conf, lookup, constrained,
+                                                         history):
             if not n:
                 continue
             rec = self.requests.get(rid)
-            curve = self.lookup_curve if copied else self.constrained_curve if masked else self.curve
+            curve = (self.history_curve if past else self.lookup_curve) if copied else self.constrained_curve if masked else self.curve
             for j in range(min(acc + 1, n, len(cs))):  # the positions the target judged
                 ok = j < acc
                 if rec is not None:

@@ -68,15 +68,21 @@ class DraftPlan:
     constrained_curve: list[float] | None = None
     """The curve for constrained rows' model drafts (free text and masked text agree differently at the same
     confidence); None: the model curve."""
+    history_curve: list[float] | None = None
+    """The curve for tokens copied from the suffix history (`engine.history`; confidence: the match's estimate
+    per token, `history.history_estimate`); None: the lookup curve."""
 
     @property
     def k(self) -> int:
         """Draft forwards at most: the longest cap."""
         return max(self.caps, default=0)
 
-    def estimate(self, b: int, conf: float, lookup: bool = False) -> float:
-        """Row b's chance that a drafted token of confidence `conf` is accepted (given the ones before were)."""
-        if lookup:
+    def estimate(self, b: int, conf: float, lookup: bool = False, history: bool = False) -> float:
+        """Row b's chance that a drafted token of confidence `conf` is accepted (given the ones before were); a
+        `lookup` token was copied (from the row's context, or from the suffix history: `history`)."""
+        if lookup and history and self.history_curve is not None:
+            curve = self.history_curve
+        elif lookup:
             curve = self.lookup_curve
         elif self.constrained is not None and self.constrained[b] and self.constrained_curve is not None:
             curve = self.constrained_curve
@@ -101,16 +107,17 @@ class PlanWalk:
         self.estimates: list[list[float]] = [[] for _ in range(n)]  # e_b(i) of the kept tokens
         self.total = 0
 
-    def position(self, j: int, conf: list[float], lookup: list[bool] | None = None) -> bool:
+    def position(self, j: int, conf: list[float], lookup: list[bool] | None = None,
+                 history: list[bool] | None = None) -> bool:
         """Position j was drafted with confidence conf[b] for every row (inactive rows' are ignored; lookup[b]:
-        row b copies from its context). Returns whether another forward of the draft model is worth it (for
-        the rows it drafts; copying rows need none)."""
+        row b copies, from its context or, history[b], from the suffix history). Returns whether another forward
+        of the draft model is worth it (for the rows it drafts; copying rows need none)."""
         p = self.plan
         cand = []
         for b, on in enumerate(self.active):
             if not on:
                 continue
-            e = p.estimate(b, conf[b], bool(lookup and lookup[b]))
+            e = p.estimate(b, conf[b], bool(lookup and lookup[b]), bool(history and history[b]))
             v = self.value[b] * e
             if (v >= p.token_value or (p.explore and j == 0)) and j < p.caps[b]:
                 cand.append((v, b, e))

@@ -57,12 +57,14 @@ class Match:
         return self.votes[0] / self.voters[0] if self.votes else 0.0
 
 
-def history_estimate(hits: float, tries: float, match: Match, prior_weight: float = 2.0) -> float:
-    """Chance a token copied from a history match is accepted: a prior from the match (the share of earlier
-    occurrences that agree on its first token, times how specific the matched context is: 0.1 per matched
-    token up to 0.9), then the row's own record of history copies (hits of tries) as it grows."""
-    prior = match.share * min(0.1 * match.length, 0.9)
-    return (hits + prior_weight * prior) / (tries + prior_weight)
+def history_estimate(hits: float, tries: float, match: Match, prior_weight: float = 2.0) -> list[float]:
+    """Per copied token, the chance it is accepted given the ones before were: a prior from the match (the share
+    of the earlier occurrences still agreeing that continue with it, times how specific the matched context is:
+    0.1 per matched token up to 0.9), then the row's own record of history copies (hits of tries) as it grows.
+    Where earlier outputs part (a template's slot: a name, a number), the share and so the estimate drop, and a
+    plan's walk stops the copy there."""
+    specific = min(0.1 * match.length, 0.9)
+    return [(hits + prior_weight * specific * v / n) / (tries + prior_weight) for v, n in zip(match.votes, match.voters)]
 
 
 class SuffixHistory:
@@ -172,7 +174,7 @@ class SuffixHistory:
             return [None] * R
         # the longest matches lead: a candidate whose context agrees further back is the more specific one
         best_len = np.where(ok, length, 0).max(axis=1, keepdims=True)
-        alive = ok & (length >= np.maximum(n, best_len // 2))  # [R, C]
+        alive = ok & (length >= best_len)  # [R, C]
         ahead = pos[:, :, None] + np.arange(k)  # [R, C, k]
         cont = np.where(ahead < self.end, self.tokens[ahead & cap], SEPARATOR)
         cont = np.where(np.logical_and.accumulate(cont != SEPARATOR, axis=2), cont, SEPARATOR)  # nothing past a document's end

@@ -35,6 +35,9 @@ class BatchState:
     contexts: tuple[int, ...] = ()
     """KV tokens each decoding row attends (prompt + generated), in the rows' order: a profile with a context
     axis prices the step at them (`context_for`)."""
+    max_copy: int = 0
+    """Upper bound on a copying row's drafted tokens under a plan (`EngineConfig.max_copy_tokens`); below max_k:
+    max_k."""
 
     def context_for(self, grid: LatencyGrid | None) -> float | None:
         """The context this step is priced at under `grid`'s context axis (rows' mean or longest, by the
@@ -249,13 +252,15 @@ def needs_profile(spec: str) -> bool:
     return spec.strip() in PROFILE_POLICIES
 
 
-def fit_choice(choice: int | DraftPlan, max_k: int, room: int, batch_size: int) -> int | DraftPlan:
-    """A policy's choice within the engine's limits: at most max_k per row and `room` drafted tokens in all
-    (the step's token budget less the rows' own tokens and what prefills keep). 0 when nothing is drafted."""
+def fit_choice(choice: int | DraftPlan, max_k: int, room: int, batch_size: int, max_copy: int = 0) -> int | DraftPlan:
+    """A policy's choice within the engine's limits: at most max_k per row (a plan's copying rows: max_copy) and
+    `room` drafted tokens in all (the step's token budget less the rows' own tokens and what prefills keep). 0
+    when nothing is drafted."""
     if isinstance(choice, DraftPlan):
-        caps = [min(c, max_k) for c in choice.caps]
+        caps = [min(c, max(max_k, max_copy)) for c in choice.caps]
         limit = room if choice.max_tokens is None else min(choice.max_tokens, room)
         if limit <= 0 or not any(caps):
             return 0
-        return replace(choice, caps=caps, max_tokens=limit)
+        depth = max_k if choice.model_depth is None else min(choice.model_depth, max_k)  # model rows: max_k
+        return replace(choice, caps=caps, max_tokens=limit, model_depth=depth)
     return max(0, min(choice, max_k, room // batch_size))

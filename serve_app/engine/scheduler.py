@@ -106,6 +106,8 @@ class Engine:
             if isinstance(w, ModelWorker) and w.tokenizer is None:
                 w.tokenizer = tokenizer
         self.config = config or EngineConfig()
+        self.draft_room = max(self.config.max_k, self.config.max_copy_tokens)
+        """Most tokens a row drafts in a step (copies may go past max_k): the KV headroom each request keeps."""
         self.policy = policy or make_policy(self.config.policy)
         info = target.info()  # target may be a local ModelWorker or a proxy to a Ray actor
         self.max_model_len = self.config.max_model_len or min(info["max_position_embeddings"] or 4096, 4096)
@@ -162,7 +164,7 @@ class Engine:
         """KV tokens a request may hold by the end of the next step: its context and one speculation
         window, in whole blocks (shared prefix blocks counted for every holder: an upper bound)."""
         bs = self.config.block_size
-        return -(-(req.context_len + self.config.max_k + 1) // bs) * bs
+        return -(-(req.context_len + self.draft_room + 1) // bs) * bs
 
     @property
     def reserved(self) -> int:
@@ -209,7 +211,7 @@ class Engine:
         if len(params.stop) > self.config.max_stop_strings:
             raise ValueError(f"at most {self.config.max_stop_strings} stop strings, got {len(params.stop)}")
         params = self._with_controls(params, n)
-        reserve = min(n + params.max_tokens, self.max_model_len) + self.config.max_k + 1
+        reserve = min(n + params.max_tokens, self.max_model_len) + self.draft_room + 1
         if reserve > self.kv_capacity:
             raise ValueError(
                 f"request needs {reserve} KV tokens (prompt {n} + max_tokens {params.max_tokens} + "
@@ -309,8 +311,8 @@ class Engine:
             choice = self.policy.choose(BatchState(len(draft_ids), self.config.max_k, True, tuple(draft_ids),
                                                    len(self.prefilling) + len(self.waiting),
                                                    tuple(self.running[b].params.structured is not None for b in drafting),
-                                                   tuple(st.contexts[b] for b in drafting)))
-            choice = fit_choice(choice, self.config.max_k, room, len(draft_ids))
+                                                   tuple(st.contexts[b] for b in drafting), self.config.max_copy_tokens))
+            choice = fit_choice(choice, self.config.max_k, room, len(draft_ids), self.config.max_copy_tokens)
             if choice:
                 t = time.perf_counter()
                 proposal = self.draft.propose(draft_ids, choice)
@@ -371,6 +373,10 @@ class Engine:
                 req.predicted.settle(length, n)
             self._outs.append((req, self._advance(req, toks, lp)))
 
+    def _left(self, req: Request) -> int:
+        """Tokens a request may still emit after this step's target token: its max_tokens and the context limit."""
+        return min(req.params.max_tokens - len(req.output_ids), self.max_model_len - req.context_len) - 1
+
     def _predicted(self, room: int) -> dict[int, list[int]]:
         """Per running row aligned with its predicted output: the predicted tokens to draft this step (at most
         `max_predicted_tokens`, what its max_tokens and the context limit leave, and `room` in all)."""
@@ -378,7 +384,7 @@ class Engine:
         for b, req in enumerate(self.running):
             if req.predicted is None or room <= 0:
                 continue
-            left = min(req.params.max_tokens - len(req.output_ids), self.max_model_len - req.context_len) - 1
+            left = self._left(req)
             toks = req.predicted.propose(min(self.config.max_predicted_tokens, left, room))
             if toks:
                 out[b] = toks

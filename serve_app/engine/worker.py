@@ -810,7 +810,7 @@ class Drafting:
         self.copyable = [b for b, s in enumerate(seqs) if "copy" in s.extra and not _steered(s)]
         self.draw = worker._drawer(seqs, conf=self.walk is not None or bool(self.copyable))
         self.copy: list[list[int] | None] = [None] * len(seqs)  # a copying row's tokens
-        self.copy_conf = [0.0] * len(seqs)
+        self.copy_conf: list[float | list[float]] = [0.0] * len(seqs)  # a history copy's: one per token
         self.copy_len = [0] * len(seqs)  # tokens its source had (a history match may hold fewer than k)
         self.from_history = [False] * len(seqs)
         self.tokens, self.probs, self.support, self.confs = [], [], [], []
@@ -846,7 +846,7 @@ class Drafting:
         more = j + 1 < self.k
         if self.walk is not None:
             self._copy_ended(j)
-            more = self.walk.position(j, conf, self.copying) and more
+            more = self.walk.position(j, conf, self.copying, self.from_history) and more
         self.rows = [b for b in rows if self.copy[b] is None and (self.walk is None or self.walk.active[b])]
         self.more = more and bool(self.rows)
         return tok
@@ -869,12 +869,12 @@ class Drafting:
                 if score > best:
                     best, self.copy[b], self.copy_conf[b], self.copy_len[b] = score, toks, e, self.k
             if hist is not None:
-                e = history_estimate(rec.history_hits, rec.history_tries, hist)
-                if (e if plan is None else plan.estimate(b, e, True)) > best:
+                e = history_estimate(rec.history_hits, rec.history_tries, hist)  # per copied token
+                if (e[0] if plan is None else plan.estimate(b, e[0], True, True)) > best:
                     # shorter than k: the rest repeats its last token (a walk stops the row there instead)
-                    toks = hist.tokens + [hist.tokens[-1]] * (self.k - len(hist.tokens))
-                    self.copy[b], self.copy_conf[b], self.copy_len[b] = toks, e, len(hist.tokens)
-                    self.from_history[b] = True
+                    pad = self.k - len(hist.tokens)
+                    self.copy[b], self.copy_conf[b] = hist.tokens + [hist.tokens[-1]] * pad, e + [e[-1]] * pad
+                    self.copy_len[b], self.from_history[b] = len(hist.tokens), True
 
     def _copy_ended(self, j: int) -> None:
         """A walk drafts no row past its copy's end (a history match shorter than the plan's k)."""
@@ -902,7 +902,8 @@ class Drafting:
         if conf is not None:
             conf = list(conf)
             for b in rows:
-                conf[b] = self.copy_conf[b]
+                c = self.copy_conf[b]  # a history copy's estimate is per token
+                conf[b] = c[j] if isinstance(c, list) else c
         return tok, q, ids, conf
 
     def _append(self, tok, q, ids, conf) -> None:
@@ -922,7 +923,7 @@ class Drafting:
                 self._append(*self._copied(j, self.tokens[-1], self.probs[-1], self.support[-1], self.confs[-1]))
                 if self.walk is not None:
                     self._copy_ended(j)
-                    self.walk.position(j, self.confs[-1], self.copying)
+                    self.walk.position(j, self.confs[-1], self.copying, self.from_history)
         out = _proposal(self.tokens, self.probs, self.support, len(self.seqs), backlog, self.walk, self.confs,
                         self.copying if any(self.copying) else None)
         out.forwards = self.forwards
