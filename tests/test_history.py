@@ -10,13 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import IdTokenizer, sharp_pair, tiny_llama
+from conftest import IdTokenizer, sharp_pair
 from serve_app.config import EngineConfig, SamplingParams
 from serve_app.drafting import draft_worker
 from serve_app.engine.draftplan import DraftPlan
 from serve_app.engine.history import SEPARATOR, SuffixHistory, history_estimate
 from serve_app.engine.scheduler import Engine
 from serve_app.engine.worker import ModelWorker
+from test_engine import reference
+from test_per_row import Fixed
 
 
 # ---- the history ---------------------------------------------------------------------------------
@@ -93,29 +95,6 @@ def test_estimate_grows_with_the_match_drops_where_outputs_part_and_follows_the_
 
 # ---- through the engine ----------------------------------------------------------------------------
 PROMPTS = [[1, 2, 3], list(range(10, 40)), [7, 8], [42, 43, 44, 45]]
-
-
-def reference(target, prompts, n):
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                              do_sample=False, eos_token_id=[])
-        outs.append(out[0, len(p):].tolist())
-    return outs
-
-
-class Fixed:
-    name = "fixed"
-
-    def __init__(self, k):
-        self.k = k
-
-    def choose(self, state):
-        return self.k
-
-    def observe(self, stats):
-        pass
 
 
 class Plans:

@@ -612,6 +612,12 @@ def test_killed_draft_decodes_at_k0_then_speculates_again(crash):
 def test_killed_router_replica_mid_stream_resumes_on_its_replacement(crash):
     replicas = [a for a in ray.util.list_named_actors(all_namespaces=True) if "Router-C" in a["name"]]
     assert len(replicas) == 1
+    store = serve.get_deployment_handle("HistoryStore", "crash")
+    crash["client"].completions.create(model="tiny-crash", prompt=PROMPTS[2], max_tokens=8, temperature=0)
+    deadline = time.time() + 30  # an answer reaches the shared history with the Router's next poll
+    while store.stats.remote().result()["documents"] == 0 and time.time() < deadline:
+        time.sleep(0.5)
+    assert store.stats.remote().result()["documents"] > 0
     victim = ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"])
     texts = streams_through(crash, lambda: ray.kill(victim, no_restart=True))
     assert texts == crash["expected"]
@@ -1032,10 +1038,12 @@ def test_router_calibrates_its_profile_online_exports_it_and_a_push_resets_it(se
     grid = {"batch_sizes": [1, 16], "ks": [0, 1, 2, 3], "draft_ms": [[0, 500, 1000, 1500]] * 2,
             "verify_ms": [[900, 950, 1000, 1050]] * 2, "other_ms": [[100] * 4] * 2}  # seconds: far too slow
 
-    def drive():
+    def drive():  # a salt per request: these prompts' answers are in the suffix history, whose copies would end
+        # the rows together and leave no batch-1 steps to calibrate
         with ThreadPoolExecutor(4) as pool:
-            list(pool.map(lambda p: service["client"].completions.create(model=MODEL, prompt=p, max_tokens=40, temperature=0),
-                          PROMPTS + PROMPTS[:1]))
+            list(pool.map(lambda p: service["client"].completions.create(
+                model=MODEL, prompt=p, max_tokens=40, temperature=0, extra_body={"cache_salt": f"{time.time()}{p}"}),
+                PROMPTS + PROMPTS[:1]))
 
     assert push(write_profile(tmp_path / "A.json", "A", 1, latency=grid)).returncode == 0
     time.sleep(1.5)

@@ -739,8 +739,8 @@ def with_predictions(drafts: Proposal, drafting: list[int], predicted: dict[int,
         lengths[b] = m
     for b, t in predicted.items():
         lengths[b] = len(t)
-    kd = drafts.tokens.shape[1]
-    tokens = torch.zeros((n, max(lengths)), dtype=torch.long)  # [B, K]
+    kd = drafts.tokens.shape[1]  # may pass the longest row: a walk can stop every row at its last position
+    tokens = torch.zeros((n, max(max(lengths), kd)), dtype=torch.long)  # [B, K]
     rows = torch.tensor(drafting, dtype=torch.long)
     if kd:
         tokens[rows, :kd] = drafts.tokens
