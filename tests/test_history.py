@@ -228,6 +228,7 @@ def test_a_replica_drafts_from_anothers_outputs(tiny_target, tiny_drafts):
     another's (`add_history`); the second then copies the first one's answers."""
     one = history_engine(tiny_target, tiny_drafts["random"], Fixed(4), max_batch_size=2)
     two = history_engine(tiny_target, tiny_drafts["random"], Fixed(4), max_batch_size=2)
+    assert one.draft.take_history() == []  # a store starts collecting (without one, nothing is kept for it)
     reqs = [one.submit(p, SamplingParams(max_tokens=20)) for p in PROMPTS]
     one.run(reqs)
     docs = one.draft.take_history()

@@ -158,9 +158,9 @@ class ModelWorker:
         """A draft with prompt lookup: rows may also copy from earlier requests' outputs (`engine.history`)."""
         self.history_shared = False
         """Every request drafts from one history (a single-tenant deployment); else from its tenant's only."""
-        self.history_outbox: list[tuple[str, list[int], list[int]]] = []
+        self.history_outbox: list[tuple[str, list[int], list[int]]] | None = None
         """Outputs remembered since the last `take_history` (tenant, prompt tail, output): what a shared history
-        store collects from this replica."""
+        store collects from this replica. None until a store first collects (an engine without one keeps none)."""
 
     def take_timings(self) -> dict:
         """Device work since the last call (forwards; vocabulary-sized math beside them) and the bytes
@@ -265,12 +265,14 @@ class ModelWorker:
         if out:
             doc = (self._tenant(s.params), s.tokens[max(plen - PROMPT_TAIL, 0) : plen], out)
             self.history.add(doc[2], doc[0], doc[1])
-            self.history_outbox.append(doc)
-            del self.history_outbox[:-HISTORY_OUTBOX]
+            if self.history_outbox is not None:
+                self.history_outbox.append(doc)
+                del self.history_outbox[:-HISTORY_OUTBOX]
 
     def take_history(self) -> list[tuple[str, list[int], list[int]]]:
-        """The outputs remembered since the last call (tenant, prompt tail, output), for a shared store."""
-        out, self.history_outbox = self.history_outbox, []
+        """The outputs remembered since the last call (tenant, prompt tail, output), for a shared store; the first
+        call starts the collection."""
+        out, self.history_outbox = self.history_outbox or [], []
         return out
 
     def add_history(self, docs: list[tuple[str, list[int], list[int]]]) -> int:
