@@ -39,9 +39,10 @@ class HistoryLog:
             self.tokens -= len(prompt) + len(out)
         return self.last
 
-    def pull(self, origin: str, since: int, epoch: str | None = None) -> tuple[str, int, list[Doc]]:
-        """(epoch, last number, the other replicas' outputs numbered after `since`); from the start where
-        `epoch` is not this log's (the store restarted, or the replica never pulled)."""
+    def pull(self, origin: str | None, since: int, epoch: str | None = None) -> tuple[str, int, list[Doc]]:
+        """(epoch, last number, the outputs of replicas other than `origin` numbered after `since`; origin None:
+        every replica's); from the start where `epoch` is not this log's (the store restarted, or the replica
+        never pulled)."""
         if epoch != self.epoch:
             since = 0
         return self.epoch, self.last, [doc for n, o, doc in self.docs if n > since and o != origin]
@@ -60,7 +61,7 @@ class HistoryStore:
     def push(self, origin: str, docs: list[Doc]) -> int:
         return self.log.push(origin, docs)
 
-    def pull(self, origin: str, since: int, epoch: str | None = None) -> tuple[str, int, list[Doc]]:
+    def pull(self, origin: str | None, since: int, epoch: str | None = None) -> tuple[str, int, list[Doc]]:
         return self.log.pull(origin, since, epoch)
 
     def stats(self) -> dict:

@@ -555,7 +555,10 @@ class Router:
             mine = await draft.call.remote("take_history")
             if mine:
                 await self.history_store.push.remote(me, mine)
-            epoch, last, docs = await self.history_store.pull.remote(me, self.history_seen[1], self.history_seen[0])
+            # a draft that never pulled (new, or replaced after dying) holds none of this replica's earlier outputs
+            # either: it takes them all, its own included
+            asker = me if self.history_seen[0] is not None else None
+            epoch, last, docs = await self.history_store.pull.remote(asker, self.history_seen[1], self.history_seen[0])
             if docs:
                 await draft.call.remote("add_history", docs)
             self.history_seen = (epoch, last)

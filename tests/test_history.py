@@ -252,6 +252,7 @@ def test_the_shared_log_hands_each_replica_the_others_outputs_and_stays_bounded(
     epoch, last, docs = log.pull("r1", 0)  # a first pull (no epoch yet): all but its own
     assert last == 2 and docs == [("t", [5], [6, 7])]
     assert log.pull("r1", last, epoch) == (epoch, 2, [])
+    assert len(log.pull(None, 0)[2]) == 2  # r1's draft replaced: it takes its own earlier outputs too
     log.push("r2", [("", [], list(range(30)))] * 4)  # 120 tokens through a log of 100: the oldest go
     assert log.tokens <= 100 and log.pull("r3", 0, epoch)[2] == [("", [], list(range(30)))] * 3
     fresh = HistoryLog(capacity=100)  # the store restarted: a replica's numbers are from the old one

@@ -590,6 +590,16 @@ def test_killed_target_mid_stream_resumes_token_for_token(crash):
     assert after["resumed"] - before["resumed"] == len(PROMPTS)  # every stream was cut and resumed
 
 
+def wait_for_shared_history(crash) -> None:
+    """One answer in the crash app's shared history store (it arrives with the Router's next poll)."""
+    store = serve.get_deployment_handle("HistoryStore", "crash")
+    crash["client"].completions.create(model="tiny-crash", prompt=PROMPTS[2], max_tokens=8, temperature=0)
+    deadline = time.time() + 30
+    while store.stats.remote().result()["documents"] == 0 and time.time() < deadline:
+        time.sleep(0.5)
+    assert store.stats.remote().result()["documents"] > 0
+
+
 def test_killed_draft_decodes_at_k0_then_speculates_again(crash):
     before = crash_stats()
     victim = before["actors"][1]
@@ -612,12 +622,7 @@ def test_killed_draft_decodes_at_k0_then_speculates_again(crash):
 def test_killed_router_replica_mid_stream_resumes_on_its_replacement(crash):
     replicas = [a for a in ray.util.list_named_actors(all_namespaces=True) if "Router-C" in a["name"]]
     assert len(replicas) == 1
-    store = serve.get_deployment_handle("HistoryStore", "crash")
-    crash["client"].completions.create(model="tiny-crash", prompt=PROMPTS[2], max_tokens=8, temperature=0)
-    deadline = time.time() + 30  # an answer reaches the shared history with the Router's next poll
-    while store.stats.remote().result()["documents"] == 0 and time.time() < deadline:
-        time.sleep(0.5)
-    assert store.stats.remote().result()["documents"] > 0
+    wait_for_shared_history(crash)
     victim = ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"])
     texts = streams_through(crash, lambda: ray.kill(victim, no_restart=True))
     assert texts == crash["expected"]
