@@ -3,7 +3,9 @@
 Each replica's draft keeps its own `SuffixHistory` (lookups stay local, off any network hop) and remembers the
 outputs it finished; with each poll its Router hands those here (`push`) and takes what the other replicas
 finished since its last poll (`pull`). A replica that starts, or whose draft was replaced, pulls everything
-held and so drafts warm from its first request; the store outlives any one replica. What it holds is bounded
+held and so drafts warm from its first request; the store outlives any one replica. The store itself keeps its
+log in memory: restarted, it starts empty under a new epoch, and the first replica to notice hands over its
+draft's copy (every draft holds what the store held), so the history outlives the store too. What it holds is bounded
 like a draft's history, by tokens, oldest out first. Tenants travel with each output: every draft keeps them
 apart (or not, with `history_scope: shared`) as its own outputs.
 """
@@ -27,6 +29,7 @@ class HistoryLog:
         self.docs: deque[tuple[int, str, Doc]] = deque()  # (number, origin replica, doc)
         self.tokens = 0
         self.last = 0
+        self.restored = False  # a replica refilled this store after a restart
 
     def push(self, origin: str, docs: list[Doc]) -> int:
         """A replica's finished outputs; returns the last number given."""
@@ -39,13 +42,34 @@ class HistoryLog:
             self.tokens -= len(prompt) + len(out)
         return self.last
 
-    def pull(self, origin: str | None, since: int, epoch: str | None = None) -> tuple[str, int, list[Doc]]:
-        """(epoch, last number, the outputs of replicas other than `origin` numbered after `since`; origin None:
-        every replica's); from the start where `epoch` is not this log's (the store restarted, or the replica
-        never pulled)."""
+    def pull(self, origin: str | None, since: int, epoch: str | None = None) -> tuple[str, int, list[Doc], bool]:
+        """(epoch, last number, the outputs of replicas other than `origin` numbered after `since` (origin None:
+        every replica's), whether to `restore`). Where `epoch` is not this log's, the replica never pulled (None:
+        it takes everything, a restored copy included) or pulled from a store that since restarted: it holds what
+        the old store had, so it takes what was pushed since (numbers from 1), and is asked to restore the rest
+        until one replica has (one whose restore failed on the way leaves the job to the next)."""
+        restore = False
         if epoch != self.epoch:
-            since = 0
-        return self.epoch, self.last, [doc for n, o, doc in self.docs if n > since and o != origin]
+            since = -1 if epoch is None else 0
+            restore = epoch is not None and not self.restored
+        return self.epoch, self.last, [doc for n, o, doc in self.docs if n > since and o != origin], restore
+
+    def restore(self, origin: str, docs: list[Doc]) -> None:
+        """A replica's whole history after this store restarted empty: what the old store held, as near as one
+        replica knows it (every replica's draft held all of it). Older than anything pushed since, it goes in
+        front, numbered 0: replicas that held the old store's skip it, new ones take it. Only the first
+        restore is taken: the others' copies are the same history."""
+        if self.restored:
+            return
+        self.restored = True
+        room = self.capacity - self.tokens
+        for doc in reversed(docs):  # the newest first, while there is room
+            size = len(doc[1]) + len(doc[2])
+            if size > room:
+                break
+            self.docs.appendleft((0, origin, doc))
+            self.tokens += size
+            room -= size
 
     def stats(self) -> dict:
         return {"documents": len(self.docs), "tokens": self.tokens, "capacity": self.capacity, "last": self.last}
@@ -61,8 +85,11 @@ class HistoryStore:
     def push(self, origin: str, docs: list[Doc]) -> int:
         return self.log.push(origin, docs)
 
-    def pull(self, origin: str | None, since: int, epoch: str | None = None) -> tuple[str, int, list[Doc]]:
+    def pull(self, origin: str | None, since: int, epoch: str | None = None) -> tuple[str, int, list[Doc], bool]:
         return self.log.pull(origin, since, epoch)
+
+    def restore(self, origin: str, docs: list[Doc]) -> None:
+        self.log.restore(origin, docs)
 
     def stats(self) -> dict:
         return self.log.stats()

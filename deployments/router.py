@@ -558,7 +558,11 @@ class Router:
             # a draft that never pulled (new, or replaced after dying) holds none of this replica's earlier outputs
             # either: it takes them all, its own included
             asker = me if self.history_seen[0] is not None else None
-            epoch, last, docs = await self.history_store.pull.remote(asker, self.history_seen[1], self.history_seen[0])
+            epoch, last, docs, restore = await self.history_store.pull.remote(asker, self.history_seen[1], self.history_seen[0])
+            if restore:  # the store restarted empty: this draft's copy of what it held refills it
+                held = await draft.call.remote("export_history")
+                await self.history_store.restore.remote(me, held)
+                log.info("the shared suffix history restarted: restored %d outputs from this replica", len(held))
             if docs:
                 await draft.call.remote("add_history", docs)
             self.history_seen = (epoch, last)

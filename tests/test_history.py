@@ -249,15 +249,46 @@ def test_the_shared_log_hands_each_replica_the_others_outputs_and_stays_bounded(
     log = HistoryLog(capacity=100)
     log.push("r1", [("", [1], [2, 3, 4])])
     log.push("r2", [("t", [5], [6, 7])])
-    epoch, last, docs = log.pull("r1", 0)  # a first pull (no epoch yet): all but its own
-    assert last == 2 and docs == [("t", [5], [6, 7])]
-    assert log.pull("r1", last, epoch) == (epoch, 2, [])
+    epoch, last, docs, restore = log.pull("r1", 0)  # a first pull (no epoch yet): all but its own
+    assert last == 2 and docs == [("t", [5], [6, 7])] and not restore
+    assert log.pull("r1", last, epoch) == (epoch, 2, [], False)
     assert len(log.pull(None, 0)[2]) == 2  # r1's draft replaced: it takes its own earlier outputs too
     log.push("r2", [("", [], list(range(30)))] * 4)  # 120 tokens through a log of 100: the oldest go
     assert log.tokens <= 100 and log.pull("r3", 0, epoch)[2] == [("", [], list(range(30)))] * 3
     fresh = HistoryLog(capacity=100)  # the store restarted: a replica's numbers are from the old one
     fresh.push("r2", [("", [], [9, 9])])
-    assert fresh.pull("r1", 5, epoch)[2] == [("", [], [9, 9])]
+    assert fresh.pull("r1", 5, epoch)[2:] == ([("", [], [9, 9])], True)  # and the first to see it restores
+
+
+def test_a_restarted_store_is_refilled_from_one_replica_and_new_drafts_start_warm():
+    """The store lives in memory: when it restarts, the first replica that held the old one hands over its
+    draft's whole history (`SuffixHistory.export`); the other warm replicas do not take it again, a new draft
+    takes it all, and a history rebuilt from the export drafts the same continuations."""
+    from deployments.history_store import HistoryLog
+
+    old = SuffixHistory(capacity=64)
+    for i in range(12):  # 12 documents of 8 tokens through a ring of 64: the oldest went, one cut at the wrap
+        old.add([100 + i, 7, 8, 9, 10, 11], tenant="ab"[i % 2], prompt=[1, 2])
+    docs = old.export()
+    assert 0 < len(docs) < 12 and all(len(d[2]) == 8 for d in docs)
+    assert docs[-1] == ("b", [], [1, 2, 111, 7, 8, 9, 10, 11])
+    copy = SuffixHistory(capacity=64)
+    for tenant, prompt, out in docs:
+        copy.add(out, tenant, prompt)
+    ctx = [5, 1, 2, 111, 7]
+    assert copy.match(ctx, 4, "b").tokens == old.match(ctx, 4, "b").tokens == [8, 9, 10, 11]
+    assert copy.match(ctx, 4, "a") is None and copy.export() == docs
+
+    log, before = HistoryLog(capacity=1000), "old-epoch"
+    log.push("r2", [("a", [], [3, 3, 3])])  # pushed to the new store before anyone noticed
+    epoch, last, got, restore = log.pull("r1", 7, before)
+    assert restore and got == [("a", [], [3, 3, 3])]
+    assert log.pull("r3", 0, before)[3]  # asked too, until a restore lands
+    log.restore("r1", docs)
+    log.restore("r3", docs[:1])  # a second copy is not taken
+    assert log.pull("r2", 0, before)[2:] == ([], False)  # another warm replica: nothing again, and no restore
+    assert log.pull(None, 0)[2] == docs + [("a", [], [3, 3, 3])]  # a new draft: all of it, oldest first
+    assert log.pull("r1", last, epoch)[2] == []
 
 
 def test_copies_may_go_past_max_k_and_model_rows_may_not(tiny_target, tiny_drafts):

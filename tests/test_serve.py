@@ -705,6 +705,33 @@ def test_replicas_share_one_suffix_history_and_draft_from_it(service):
     assert "specserve_history_tokens{" in text
 
 
+def test_a_restarted_history_store_is_refilled_by_the_replicas(service):
+    """The store holds the shared history in memory: killed, Serve restarts it empty, and the first Router
+    that polls it hands over its draft's copy, so the history survives with no new traffic."""
+    store = serve.get_deployment_handle("HistoryStore", "specserve")
+    c = service["client"]
+    c.completions.create(model=MODEL, prompt="the store keeps this answer", max_tokens=12, temperature=0)
+    deadline = time.time() + 30  # settled: the store, and both drafts, hold every answer so far
+    while time.time() < deadline:
+        held = store.stats.remote().result()["documents"]
+        if held and all(stats(g)["history"]["documents"] >= held for g in "AB"):
+            break
+        time.sleep(0.25)
+    assert held > 0 and all(stats(g)["history"]["documents"] >= held for g in "AB")
+    name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#HistoryStore#" in a["name"])
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    deadline, now = time.time() + 60, 0
+    while time.time() < deadline:
+        try:
+            now = store.stats.remote().result(timeout_s=5)["documents"]
+        except Exception:  # the replica is being replaced
+            now = 0
+        if now >= held:
+            break
+        time.sleep(0.5)
+    assert now >= held
+
+
 def test_chat_message_shapes_clients_send(service):
     c = service["client"]
     plain = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat sat"}]

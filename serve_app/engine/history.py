@@ -197,6 +197,18 @@ class SuffixHistory:
             res.append(Match(toks[:m], v[:m], vs[:m], o, bl) if a and m else None)
         return res
 
+    def export(self) -> list[tuple[str, list[int], list[int]]]:
+        """Every whole document held, oldest first, as (tenant, [], document): what `add` (with no prompt) takes
+        back, into another history (a restarted shared store refilled from a replica's copy)."""
+        lo = max(self.end - self.capacity, 0)
+        toks = self.tokens[np.arange(lo, self.end) & self.ring_mask]
+        tids = self.tenant[np.arange(lo, self.end) & self.ring_mask]
+        names = {tid: name for name, tid in self.tenants.items()}
+        ends = np.flatnonzero(toks == SEPARATOR).tolist()
+        # a wrapped ring's oldest document may have lost its start: it goes; each later one runs between separators
+        starts = [0 if lo == 0 else None] + [e + 1 for e in ends[:-1]]
+        return [(names[int(tids[a])], [], toks[a:e].tolist()) for a, e in zip(starts, ends) if a is not None and e - a >= 2]
+
     def stats(self) -> dict:
         """Size and hit rate: tokens held, documents added, lookups and how many found a match."""
         return {"tokens": len(self), "capacity": self.capacity, "documents": self.documents, "tenants": len(self.tenants),

@@ -283,6 +283,11 @@ class ModelWorker:
             self.history.add(out, "" if self.history_shared else tenant, prompt)
         return len(self.history)
 
+    def export_history(self) -> list[tuple[str, list[int], list[int]]]:
+        """Every output this draft's history holds (`SuffixHistory.export`): a restarted shared store refills
+        from it."""
+        return self.history.export() if self.history is not None else []
+
     def history_stats(self) -> dict | None:
         """The suffix history's size and hit rate (`SuffixHistory.stats`); None without one."""
         return self.history.stats() if self.history is not None else None
