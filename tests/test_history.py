@@ -91,6 +91,25 @@ def test_estimate_grows_with_the_match_drops_where_outputs_part_and_follows_the_
     e = history_estimate(0, 0, m)
     assert m.tokens[:3] == [1, 2, 3] and m.votes[0] == 3 and m.voters[0] == 4  # the body's own output parts at once
     assert e[1] == e[2] > e[0] > e[3] and e[3] < e[2] / 2  # 3 of 4 agree, then all 3, then 1 of 3 at the slot
+    good = history_estimate(40, 40, m)  # a row whose copies all landed so far still stops at the slot
+    assert good[2] > 0.9 and good[3] < 0.4
+
+
+def test_a_slot_counts_every_filling_of_the_template_not_only_the_longest_match():
+    """The row's earlier slot agreed with one earlier filling (so that one matches furthest back and leads),
+    but at the next slot all four fillings part: the share there is one in four, not one in one."""
+    h = SuffixHistory(4096)
+    for s, t in zip([50, 51, 52, 53], [60, 61, 62, 63]):
+        h.add([10, 11, s, 12, 13, 14, t, 15])
+    m = h.match([10, 11, 50, 12, 13, 14], 2)
+    assert m.tokens == [60, 15] and m.length == 6
+    assert (m.votes[0], m.voters[0]) == (1, 4) and history_estimate(40, 40, m)[0] < 0.3
+    exact = SuffixHistory(4096)  # an exact repeat: fillings that match far less far back do not vote it down
+    body = list(range(100, 130))
+    exact.add(body + [1, 2])
+    for t in (3, 4, 5):
+        exact.add(body[-3:] + [t])
+    assert exact.match(body, 1).share == 1.0
 
 
 # ---- through the engine ----------------------------------------------------------------------------

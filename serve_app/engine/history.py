@@ -58,13 +58,13 @@ class Match:
 
 
 def history_estimate(hits: float, tries: float, match: Match, prior_weight: float = 2.0) -> list[float]:
-    """Per copied token, the chance it is accepted given the ones before were: a prior from the match (the share
-    of the earlier occurrences still agreeing that continue with it, times how specific the matched context is:
-    0.1 per matched token up to 0.9), then the row's own record of history copies (hits of tries) as it grows.
-    Where earlier outputs part (a template's slot: a name, a number), the share and so the estimate drop, and a
-    plan's walk stops the copy there."""
-    specific = min(0.1 * match.length, 0.9)
-    return [(hits + prior_weight * specific * v / n) / (tries + prior_weight) for v, n in zip(match.votes, match.voters)]
+    """Per copied token, the chance it is accepted given the ones before were: the row's rate for history copies
+    (its record, hits of tries, after a prior from how specific the matched context is: 0.1 per matched token up
+    to 0.9) times the share of the earlier occurrences still agreeing that continue with it. The share
+    multiplies, never averages in: where earlier outputs part (a template's slot: a name, a number), the
+    estimate drops however well the row's copies did so far, and a plan's walk stops the copy there."""
+    rate = (hits + prior_weight * min(0.1 * match.length, 0.9)) / (tries + prior_weight)
+    return [rate * v / n for v, n in zip(match.votes, match.voters)]
 
 
 class SuffixHistory:
@@ -172,9 +172,12 @@ class SuffixHistory:
         ok = (pos - n >= oldest) & (self.tenant[(pos - 1) & cap] == tid) & (length >= n)
         if not ok.any():
             return [None] * R
-        # the longest matches lead: a candidate whose context agrees further back is the more specific one
+        # the longest matches lead: a candidate whose context agrees further back is the more specific one; the
+        # votes count every candidate matching at least half as far (a template's other fillings: where they part,
+        # at a slot, the share drops), not those a far longer match outranks (an exact repeat's own earlier answer)
         best_len = np.where(ok, length, 0).max(axis=1, keepdims=True)
         alive = ok & (length >= best_len)  # [R, C]
+        voting = ok & (2 * length >= best_len)  # [R, C]
         ahead = pos[:, :, None] + np.arange(k)  # [R, C, k]
         cont = np.where(ahead < self.end, self.tokens[ahead & cap], SEPARATOR)
         cont = np.where(np.logical_and.accumulate(cont != SEPARATOR, axis=2), cont, SEPARATOR)  # nothing past a document's end
@@ -182,11 +185,11 @@ class SuffixHistory:
         agree = np.logical_and.accumulate((cont[:, :, None, :] == cont[:, None, :, :]) & (cont[:, :, None, :] != SEPARATOR), axis=3)
         both = alive[:, :, None] & alive[:, None, :]
         score = (agree & both[..., None]).sum(axis=(2, 3))  # [R, C] the path most others share
-        # the row follows the path most candidates share (ties: the most recent); votes per position
+        # the row follows the path most leading candidates share (ties: the most recent); votes per position
         lead = np.argmax(np.where(alive, score * C + (C - np.arange(C)), -1), axis=1)
-        mine = agree[np.arange(R), lead] & alive[:, :, None]  # [R, C, k] candidates agreeing with it through j
+        mine = agree[np.arange(R), lead] & voting[:, :, None]  # [R, C, k] candidates agreeing with it through j
         votes = mine.sum(axis=1)
-        valid = np.concatenate([alive[:, :, None], mine[:, :, :-1]], axis=2) & (cont != SEPARATOR)
+        valid = np.concatenate([voting[:, :, None], mine[:, :, :-1]], axis=2) & (cont != SEPARATOR)
         voters = valid.sum(axis=1)
         path = cont[np.arange(R), lead]
         res: list[Match | None] = []
