@@ -234,7 +234,8 @@ def _parser() -> argparse.ArgumentParser:
     _model_args(bh)
     bh.add_argument("--profile", default=None, help="profile JSON (default profiles/<hardware type>.json)")
     bh.add_argument("--policy", default="budget")
-    bh.add_argument("--parts", default="f,b", help="of f (repeating traffic) and b (time-varying chat)")
+    bh.add_argument("--parts", default="f,b", help="of f (repeating traffic), b (time-varying chat) and u (b's "
+                                                   "schedule, no prompt asked twice)")
     bh.add_argument("--scale", type=float, default=1.0, help="schedule length ((f): 60 s x scale at 1.2 requests/s)")
     bh.add_argument("--rounds", type=int, default=3, help="paired rounds, the order rotating")
     bh.add_argument("--warmup", type=float, default=0.25, help="share of the requests left out of the latency")
@@ -834,8 +835,10 @@ def _cmd_bench_history(args) -> int:
             parts[name] = repeating.repeating_jobs(tok, rng, args.scale)
         elif name == "b":
             parts[name] = repeating.chat_jobs(tok, rng, args.scale)
+        elif name == "u":
+            parts[name] = repeating.unique_chat_jobs(tok, rng, args.scale)
         else:
-            raise UsageError(f"--parts: unknown part {name!r} (f, b)")
+            raise UsageError(f"--parts: unknown part {name!r} (f, b, u)")
     res = {"gpu_type": profile.gpu_type, "target": models.target_name, "draft": models.draft_name, "policy": args.policy,
            "rounds": args.rounds, "warmup": args.warmup, "scale": args.scale, "history_tokens": args.history_tokens}
     with tqdm(total=2 * args.rounds * sum(len(j) for j in parts.values()), desc="history", unit="req") as bar:

@@ -50,3 +50,39 @@ def test_replay_is_deterministic_and_its_clock_is_the_cost_models(models):
     assert res["best_fixed"] in ("fixed:1", "fixed:2")
     assert res["policies"][res["best_fixed"]]["vs_best_fixed"] == 1.0
     assert closed_cell(models, PROFILE, "fixed:2", 4, list(range(3, 40)), 8, 8) > 0
+
+
+def test_bench_history_pairs_the_history_on_and_off_and_copies_repeats_on_the_cost_model(models):
+    """`bench history`'s two halves on repeating jobs: the wall-clock rounds (both arms, paired figures, sources
+    by quarter) and the replay, where answers asked again are copied from the history: more tokens per step."""
+    import dataclasses
+
+    from serve_app.bench.repeating import bench_history, replay_history
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 90) for _ in range(8)] for _ in range(3)]
+    jobs = [Job(prompts[i % 3], 24, at=0.2 * i, kind="abc"[i % 3]) for i in range(12)]
+    models = dataclasses.replace(models, prompt_lookup=True, history_tokens=4096)
+
+    class Bar:
+        def update(self, n):
+            pass
+
+    res = bench_history(models, PROFILE, "budget", {"x": jobs}, 2, 0.25, 4096, Bar())["x"]
+    assert len(res["runs"]["on"]) == len(res["runs"]["off"]) == 2 and set(res["paired"]["by_kind"]) == {"a", "b", "c"}
+    assert res["paired"]["tokens_per_step"]["rounds"] == 2
+    assert sum(q.get("history", 0) for q in res["runs"]["on"][0]["sources_by_quarter"]) > 0
+    assert not any(q.get("history") for q in res["runs"]["off"][0]["sources_by_quarter"])
+    rep = replay_history(models, PROFILE, "budget", {"x": jobs}, 4096, 0.25)["x"]
+    assert rep["on"]["tokens_per_step"] > 1.5 * rep["off"]["tokens_per_step"]
+
+
+def test_the_no_repeat_control_asks_each_question_once_on_bs_schedule():
+    from conftest import make_tokenizer
+    from serve_app.bench.repeating import chat_jobs, distinct_chat_texts, unique_chat_jobs
+
+    texts = distinct_chat_texts()
+    assert len(set(texts)) == len(texts) >= 400
+    tok = make_tokenizer()
+    b, u = chat_jobs(tok, random.Random(0), 1.0), unique_chat_jobs(tok, random.Random(0), 1.0)
+    assert [(j.at, j.max_tokens) for j in u] == [(j.at, j.max_tokens) for j in b]

@@ -15,7 +15,8 @@ The bench runs the same schedule through a fresh engine with the history off and
 lookup in both), in rounds whose order rotates, from an empty history each time (it warms as the run goes):
 tokens per target step per request, mean latency after the warm-up (overall and per kind), the sources of the
 accepted tokens over the run; each paired by round (`rounds.paired_ratio`). Plain chat (b) runs the same way,
-to show the history costs chat nothing. Beside the wall clock, the deterministic replay (`bench.replay`) gives
+to show the history costs chat nothing, and (u), the same schedule with no prompt asked twice, the control
+where only the lookups' cost can show. Beside the wall clock, the deterministic replay (`bench.replay`) gives
 the same comparison on the profile's cost model.
 """
 
@@ -221,8 +222,36 @@ def markdown(res: dict) -> str:
 
 
 def chat_jobs(tokenizer, rng: random.Random, scale: float) -> list[Job]:
-    """(b) plain chat, time-varying: what the history must not slow."""
+    """(b) plain chat, time-varying: what the history must not slow (its prompts come from a small set, so
+    answers recur)."""
     return varying_jobs(tokenizer, rng, scale)[0]
 
 
-__all__ = ["KINDS", "bench_history", "chat_jobs", "markdown", "repeating_jobs", "replay_history"]
+LENGTHS = ["in one sentence", "in two sentences", "in three sentences", "in about fifty words", "as a short list",
+           "for a beginner", "for an expert", "with one example"]
+"""Ways to ask a question again that make it a different request (`unique_chat_jobs`)."""
+
+
+def distinct_chat_texts() -> list[str]:
+    """The bench's distinct chat questions, then each asked every other way in `LENGTHS`."""
+    from serve_app.bench.prompt_sets import BENCH_PROMPTS, CREATIVE_PROMPTS, PROFILE_PROMPTS
+
+    base = list(dict.fromkeys(LATENCY_PROMPTS + BENCH_PROMPTS + CREATIVE_PROMPTS + PROFILE_PROMPTS))
+    return base + [f"{t} Answer {how}." for how in LENGTHS for t in base]
+
+
+def unique_chat_jobs(tokenizer, rng: random.Random, scale: float) -> list[Job]:
+    """(u) (b)'s schedule with every prompt asked once: the bench's distinct chat questions, then the same asked
+    another way ("... Answer in one sentence."), shuffled. Nothing repeats but what answers share by nature, so
+    the history can only cost here (its lookups), the control for (b)."""
+    from serve_app.bench.prompt_sets import chat_prompts
+
+    texts = distinct_chat_texts()
+    jobs = varying_jobs(tokenizer, rng, scale)[0]  # (b)'s arrivals and lengths, drawn first as (b) draws them
+    rng.shuffle(texts)
+    if len(jobs) > len(texts):
+        raise ValueError(f"(u) has {len(texts)} distinct prompts for {len(jobs)} requests: lower --scale")
+    return [dataclasses.replace(j, prompt=chat_prompts(tokenizer, [t])[0]) for j, t in zip(jobs, texts)]
+
+
+__all__ = ["KINDS", "bench_history", "chat_jobs", "markdown", "repeating_jobs", "replay_history", "unique_chat_jobs", "distinct_chat_texts"]
