@@ -95,6 +95,29 @@ def test_estimate_grows_with_the_match_drops_where_outputs_part_and_follows_the_
     assert good[2] > 0.9 and good[3] < 0.4
 
 
+def test_the_hash_chains_hold_every_earlier_occurrence_newest_first():
+    """`add` indexes a document in one vectorised pass: walking an anchor's chain from its head visits every
+    position that follows those tokens in the same tenant's documents, newest first, as a loop over positions
+    would have linked them (repeats within one document included)."""
+    rng = random.Random(5)
+    h = SuffixHistory(4096, anchors=(3,))
+    docs = [[rng.randrange(4) for _ in range(rng.randint(2, 40))] for _ in range(30)]
+    where: dict[tuple, list[int]] = {}
+    for d in docs:
+        start = h.end
+        h.add(d, tenant="t")
+        for i in range(3, len(d)):
+            where.setdefault(tuple(d[i - 3 : i]), []).append(start + i)
+    tid = np.asarray([h.tenants["t"]])
+    for gram, expected in where.items():
+        p, seen = int(h.head[3][h._hashes(tid, np.asarray([gram]))[0]]), []
+        while p >= 0:
+            if tuple(h.tokens[p - 3 : p]) == gram:  # other grams share a hash now and then
+                seen.append(p)
+            p = int(h.prev[3][p & h.ring_mask])
+        assert seen == expected[::-1]
+
+
 def test_a_slot_counts_every_filling_of_the_template_not_only_the_longest_match():
     """The row's earlier slot agreed with one earlier filling (so that one matches furthest back and leads),
     but at the next slot all four fillings part: the share there is one in four, not one in one."""

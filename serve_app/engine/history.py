@@ -98,8 +98,17 @@ class SuffixHistory:
             tid = self.tenants[tenant] = len(self.tenants)
         return tid
 
-    def _hash(self, tid: int, gram) -> int:
-        return hash((tid, *gram)) & self.mask
+    def _hashes(self, tids: np.ndarray, grams: np.ndarray) -> np.ndarray:
+        """[m] each row of `grams` ([m, n] tokens) with its tenant, hashed into the table (multiply-add over the
+        tokens, then a xorshift-multiply mix; uint64 arithmetic wraps, as it should)."""
+        with np.errstate(over="ignore"):
+            h = tids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+            for j in range(grams.shape[1]):
+                h = (h ^ grams[:, j].astype(np.uint64)) * np.uint64(0x100000001B3)
+            h ^= h >> np.uint64(29)
+            h *= np.uint64(0xBF58476D1CE4E5B9)
+            h ^= h >> np.uint64(32)
+        return (h & np.uint64(self.mask)).astype(np.int64)
 
     def add(self, output: list[int], tenant: str = "", prompt: list[int] = ()) -> None:
         """A finished request: the last `PROMPT_TAIL` tokens of its prompt and its output, as one document."""
@@ -112,13 +121,26 @@ class SuffixHistory:
         slots = (start + np.arange(len(doc) + 1)) % cap
         self.tokens[slots] = np.asarray(doc + [SEPARATOR], dtype=np.int32)
         self.tenant[slots] = tid
+        arr = np.asarray(doc, dtype=np.int64)
         for n in self.anchors:
+            if len(doc) <= n:
+                continue
             head, prev = self.head[n], self.prev[n]
-            for i in range(n, len(doc)):  # position start + i follows the anchor doc[i - n : i]
-                h = self._hash(tid, doc[i - n : i])
-                p = start + i
-                prev[p % cap] = head[h]
-                head[h] = p
+            # position start + i follows the anchor doc[i - n : i]; in one pass what a loop over i would leave:
+            # each position's `prev` is the latest earlier one with its hash (this document's, else the head's)
+            pos = start + np.arange(n, len(doc))
+            h = self._hashes(np.full(len(pos), tid), np.lib.stride_tricks.sliding_window_view(arr[:-1], n))
+            order = np.lexsort((pos, h))
+            h, pos = h[order], pos[order]
+            first = np.ones(len(h), dtype=bool)
+            first[1:] = h[1:] != h[:-1]
+            before = np.empty_like(pos)
+            before[1:] = pos[:-1]
+            before[first] = head[h[first]]
+            prev[pos % cap] = before
+            last = np.ones(len(h), dtype=bool)
+            last[:-1] = first[1:]
+            head[h[last]] = pos[last]
         self.end = start + len(doc) + 1
         self.documents += 1
 
@@ -143,7 +165,7 @@ class SuffixHistory:
         return out
 
     def _match(self, contexts: list[list[int]], k: int, tids: list[int], n: int) -> list[Match | None]:
-        heads = self.head[n][[self._hash(t, c[-n:]) for t, c in zip(tids, contexts)]]
+        heads = self.head[n][self._hashes(np.asarray(tids), np.asarray([c[-n:] for c in contexts], dtype=np.int64))]
         found = np.flatnonzero(heads >= 0).tolist()
         out: list[Match | None] = [None] * len(contexts)
         if found:  # only the rows whose anchor was seen
@@ -181,8 +203,15 @@ class SuffixHistory:
         ahead = pos[:, :, None] + np.arange(k)  # [R, C, k]
         cont = np.where(ahead < self.end, self.tokens[ahead & cap], SEPARATOR)
         cont = np.where(np.logical_and.accumulate(cont != SEPARATOR, axis=2), cont, SEPARATOR)  # nothing past a document's end
-        # path agreement: how far candidate a's continuation agrees with candidate b's, for every pair
-        agree = np.logical_and.accumulate((cont[:, :, None, :] == cont[:, None, :, :]) & (cont[:, :, None, :] != SEPARATOR), axis=3)
+        # path agreement: whether candidate a's continuation agrees with candidate b's through position j, for
+        # every pair, as equal hashes of their prefixes (one comparison per pair and position)
+        prefix = np.empty(cont.shape, dtype=np.int64)  # [R, C, k]
+        h = np.zeros(cont.shape[:2], dtype=np.int64)
+        with np.errstate(over="ignore"):
+            for j in range(cont.shape[2]):
+                h = (h ^ cont[:, :, j]) * np.int64(0x100000001B3)
+                prefix[:, :, j] = h
+        agree = (prefix[:, :, None, :] == prefix[:, None, :, :]) & (cont != SEPARATOR)[:, :, None, :]  # [R, C, C, k]
         both = alive[:, :, None] & alive[:, None, :]
         score = (agree & both[..., None]).sum(axis=(2, 3))  # [R, C] the path most others share
         # the row follows the path most leading candidates share (ties: the most recent); votes per position
@@ -192,13 +221,10 @@ class SuffixHistory:
         valid = np.concatenate([voting[:, :, None], mine[:, :, :-1]], axis=2) & (cont != SEPARATOR)
         voters = valid.sum(axis=1)
         path = cont[np.arange(R), lead]
-        res: list[Match | None] = []
-        for r, (toks, v, vs, a, o, bl) in enumerate(zip(path.tolist(), votes.tolist(), voters.tolist(),
-                                                      alive.any(axis=1).tolist(), ok.sum(axis=1).tolist(),
-                                                      best_len[:, 0].tolist())):
-            m = next((j for j, t in enumerate(toks) if t == SEPARATOR), len(toks))
-            res.append(Match(toks[:m], v[:m], vs[:m], o, bl) if a and m else None)
-        return res
+        ends = np.where((path == SEPARATOR).any(axis=1), np.argmax(path == SEPARATOR, axis=1), path.shape[1])
+        return [Match(toks[:m], v[:m], vs[:m], o, bl) if a and m else None
+                for toks, v, vs, a, o, bl, m in zip(path.tolist(), votes.tolist(), voters.tolist(), alive.any(axis=1).tolist(),
+                                                    ok.sum(axis=1).tolist(), best_len[:, 0].tolist(), ends.tolist())]
 
     def export(self) -> list[tuple[str, list[int], list[int]]]:
         """Every whole document held, oldest first, as (tenant, [], document): what `add` (with no prompt) takes
