@@ -170,6 +170,10 @@ class Router:
 
     def _ready(self, i: int, t0: float) -> None:
         ray.get(self.actors[i].ping.remote(), timeout=self.group.worker_start_timeout_s)
+        if self.roles[i] == "draft" and self.history_store is not None and self.history is not None:
+            # a replacement draft remembers its outputs for the shared history from its first request, not from
+            # the next poll's exchange (what finished in between never reached the store)
+            ray.get(self.actors[i].call.remote("take_history"), timeout=self.group.call_timeout_s)
         self.recoveries.append({"role": self.roles[i], "seconds": round(time.perf_counter() - t0, 2)})
         self.m_recoveries.inc(tags={"role": self.roles[i]})
         log.warning("%s worker of group %s replaced in %.1f s", self.roles[i], self.group.name, time.perf_counter() - t0)
