@@ -28,7 +28,7 @@ import random
 import statistics
 
 from serve_app.bench.policies import LATENCY_PROMPTS, Job, _run, varying_jobs
-from serve_app.bench.prompt_sets import encode_chat
+from serve_app.bench.prompt_sets import BENCH_PROMPTS, CREATIVE_PROMPTS, PROFILE_PROMPTS, chat_prompts, encode_chat
 from serve_app.bench.rounds import fmt_paired, paired_ratio, rotated
 
 KINDS = (("agent", 0.3), ("extract", 0.25), ("rewrite", 0.2), ("chat", 0.25))
@@ -234,8 +234,6 @@ LENGTHS = ["in one sentence", "in two sentences", "in three sentences", "in abou
 
 def distinct_chat_texts() -> list[str]:
     """The bench's distinct chat questions, then each asked every other way in `LENGTHS`."""
-    from serve_app.bench.prompt_sets import BENCH_PROMPTS, CREATIVE_PROMPTS, PROFILE_PROMPTS
-
     base = list(dict.fromkeys(LATENCY_PROMPTS + BENCH_PROMPTS + CREATIVE_PROMPTS + PROFILE_PROMPTS))
     return base + [f"{t} Answer {how}." for how in LENGTHS for t in base]
 
@@ -244,8 +242,6 @@ def unique_chat_jobs(tokenizer, rng: random.Random, scale: float) -> list[Job]:
     """(u) (b)'s schedule with every prompt asked once: the bench's distinct chat questions, then the same asked
     another way ("... Answer in one sentence."), shuffled. Nothing repeats but what answers share by nature, so
     the history can only cost here (its lookups), the control for (b)."""
-    from serve_app.bench.prompt_sets import chat_prompts
-
     texts = distinct_chat_texts()
     jobs = varying_jobs(tokenizer, rng, scale)[0]  # (b)'s arrivals and lengths, drawn first as (b) draws them
     rng.shuffle(texts)
@@ -254,4 +250,5 @@ def unique_chat_jobs(tokenizer, rng: random.Random, scale: float) -> list[Job]:
     return [dataclasses.replace(j, prompt=chat_prompts(tokenizer, [t])[0]) for j, t in zip(jobs, texts)]
 
 
-__all__ = ["KINDS", "bench_history", "chat_jobs", "markdown", "repeating_jobs", "replay_history", "unique_chat_jobs", "distinct_chat_texts"]
+__all__ = ["KINDS", "bench_history", "chat_jobs", "distinct_chat_texts", "markdown", "repeating_jobs", "replay_history",
+           "unique_chat_jobs"]
