@@ -225,6 +225,8 @@ def _parser() -> argparse.ArgumentParser:
     br.add_argument("--scale", type=float, default=0.3, help="schedule length (1.0: bench policies' full length)")
     br.add_argument("--grid-batches", default="1,4,16", help="the closed-loop grid's batch sizes ('' skips the grid)")
     br.add_argument("--grid-contexts", default="64,512,2048", help="the grid's document lengths in tokens")
+    br.add_argument("--grid-rounds", type=int, default=4, help="requests per stream in each grid cell (each its own "
+                                                               "document)")
     br.add_argument("--seed", type=int, default=0)
     br.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/bench-replay-<hardware type>)")
     br.set_defaults(func=_cmd_bench_replay)
@@ -802,14 +804,17 @@ def _cmd_bench_replay(args) -> int:
             raise UsageError(f"--parts: unknown part {name!r} (b, d, e)")
     batches = int_list(args.grid_batches, "--grid-batches") if args.grid_batches else []
     contexts = int_list(args.grid_contexts, "--grid-contexts") if batches else []
-    docs = {c: rp.document(tok, c, 1000 * c) for c in contexts}
+    if args.grid_rounds < 1:
+        raise UsageError("--grid-rounds must be >= 1")
+    requests = args.grid_rounds * max(batches + [2])  # each request of the largest cell its own document
+    docs = {c: [rp.document(tok, c, 1000 * c + 7919 * i) for i in range(requests)] for c in contexts}
     res = {"gpu_type": profile.gpu_type, "target": profile.target, "draft": profile.draft, "policies": policies,
-           "scale": args.scale, "seed": args.seed}
+           "scale": args.scale, "seed": args.seed, "grid_rounds": args.grid_rounds}
     with tqdm(total=len(parts) * len(policies) + len(batches) * len(contexts) * len(policies), desc="replay",
               unit="run") as bar:
         res["parts"] = rp.replay_parts(models, profile, policies, parts, bar=bar)
         if batches:
-            res["grid"] = rp.replay_grid(models, profile, policies, batches, docs, bar=bar)
+            res["grid"] = rp.replay_grid(models, profile, policies, batches, docs, rounds=args.grid_rounds, bar=bar)
     _write_bench(args, "replay", res, rp.markdown(res, policies))
     return 0
 

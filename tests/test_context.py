@@ -61,6 +61,24 @@ def test_the_grid_scales_its_cells_to_the_served_context():
     assert load_profile(ROOT / "profiles" / "cpu-2core.json").latency.context.layout == "padded"  # measured here
 
 
+def test_a_copy_longer_than_the_grid_is_priced_by_the_trend_not_a_last_cells_dip():
+    """A copy drafts up to max_copy (16) past the grid's k. The committed CPU profile's verification at batch 1
+    dips from k = 7 to 8 and its short context's cells hardly grow with k: extended cell to cell, a 16-token
+    copy at 1,024 tokens of context cost 500x a step (the context ratio over a near-zero cell), or, with the
+    ratio held, less than a step that drafted nothing."""
+    profile = load_profile(ROOT / "profiles" / "cpu-2core.json").latency
+    for g in (grid(), profile):
+        top = g.ks[-1]
+        for b in (1, 8):
+            for c in (None, 1024):
+                at = [g.part_at("verify", b, k, c) for k in (0, top, 2 * top)]
+                assert at[0] <= at[2] < 2 * at[1], (b, c, at)  # never below k = 0, nor a blow-up
+        # past the context axis' longest k, its longest k's ratio holds
+        kc = g.context.ks[-1]
+        assert g.context.scale("verify", 1, 4 * kc, 1024, g.context_tokens) == pytest.approx(
+            g.context.scale("verify", 1, kc, 1024, g.context_tokens))
+
+
 def test_paged_prices_the_mean_padded_the_longest_row():
     rows = [100, 100, 100, 1700]
     assert grid("paged").context.context_of(rows) == 500

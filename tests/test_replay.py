@@ -49,7 +49,7 @@ def test_replay_is_deterministic_and_its_clock_is_the_cost_models(models):
     res = replay_parts(models, PROFILE, ["fixed:1", "fixed:2", "adaptive"], {"x": jobs}, 4)["x"]
     assert res["best_fixed"] in ("fixed:1", "fixed:2")
     assert res["policies"][res["best_fixed"]]["vs_best_fixed"] == 1.0
-    assert closed_cell(models, PROFILE, "fixed:2", 4, list(range(3, 40)), 8, 8) > 0
+    assert closed_cell(models, PROFILE, "fixed:2", 4, [list(range(3, 40))], 8, 8) > 0
 
 
 def test_bench_history_pairs_the_history_on_and_off_and_copies_repeats_on_the_cost_model(models):

@@ -163,9 +163,12 @@ def replay(models, profile, policy: str, jobs: list, max_batch: int = 32) -> Rep
     return rep
 
 
-def closed_cell(models, profile, policy: str, batch: int, prompt: list[int], max_tokens: int, requests: int) -> float:
-    """Output tokens per virtual second with `batch` streams, each sending `prompt` (a document of the cell's
-    context) for `max_tokens` tokens, then again, until `requests` have been served."""
+def closed_cell(models, profile, policy: str, batch: int, prompts: list[list[int]], max_tokens: int,
+                requests: int) -> float:
+    """Output tokens per virtual second with `batch` streams, each sending a prompt (a document of the cell's
+    context; `prompts` in turn) for `max_tokens` tokens, then the next, until `requests` have been served.
+    Distinct documents: one sent again would be answered from the suffix history, a repeat no policy's k
+    choice is about."""
     engine = _engine(models, profile, policy, batch)
     from serve_app.config import SamplingParams
 
@@ -176,7 +179,7 @@ def closed_cell(models, profile, policy: str, batch: int, prompt: list[int], max
     live = 0
     while sent < requests or engine.has_work():
         while live < batch and sent < requests:
-            engine.submit(prompt, params)
+            engine.submit(prompts[sent % len(prompts)], params)
             sent, live = sent + 1, live + 1
         seen.clear()
         for req, out in engine.step():
@@ -212,16 +215,17 @@ def replay_parts(models, profile, policies: list[str], parts: dict[str, list], m
     return out
 
 
-def replay_grid(models, profile, policies: list[str], batches: list[int], documents: dict[int, list[int]],
+def replay_grid(models, profile, policies: list[str], batches: list[int], documents: dict[int, list[list[int]]],
                 max_tokens: int = 32, rounds: int = 2, bar: tqdm | None = None) -> dict:
     """The closed-loop grid: tokens per virtual second per (batch, context) cell and policy, and each adaptive
-    policy's share of the cell's oracle (its best fixed k)."""
+    policy's share of the cell's oracle (its best fixed k). `documents`: per context, the prompts sent in turn."""
     cells = []
-    for c, prompt in documents.items():
+    for c, prompts in documents.items():
         for b in batches:
             rates = {}
             for p in policies:
-                rates[p] = closed_cell(models, profile, p, b, prompt, max_tokens, rounds * b)
+                # a single stream's cell would be a few requests long (one copy that fails moves it 5%)
+                rates[p] = closed_cell(models, profile, p, b, prompts, max_tokens, rounds * max(b, 2))
                 if bar is not None:
                     bar.update(1)
             fixed = {p: v for p, v in rates.items() if p.startswith("fixed:")}
