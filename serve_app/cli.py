@@ -228,6 +228,8 @@ def _parser() -> argparse.ArgumentParser:
     br.add_argument("--grid-rounds", type=int, default=4, help="requests per stream in each grid cell (each its own "
                                                                "document)")
     br.add_argument("--seed", type=int, default=0)
+    br.add_argument("--seeds", type=int, default=1, help="schedules drawn from this many seeds (from --seed on), every "
+                                                         "policy on each: paired ratios over seeds with intervals")
     br.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/bench-replay-<hardware type>)")
     br.set_defaults(func=_cmd_bench_replay)
 
@@ -791,17 +793,25 @@ def _cmd_bench_replay(args) -> int:
     if profile.latency is None:
         raise UsageError("replay needs a profile with a latency grid (its cost model)")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    tok, parts = models.tokenizer, {}
-    for name in [p.strip() for p in args.parts.split(",") if p.strip()]:
-        rng = random.Random(args.seed)
-        if name == "b":
-            parts[name] = varying_jobs(tok, rng, args.scale)[0]
-        elif name == "d":
-            parts[name] = mixed_jobs(tok, random.Random(args.seed + 1), args.scale)[0]
-        elif name == "e":
-            parts[name] = rp.long_jobs(tok, rng, args.scale)
-        else:
-            raise UsageError(f"--parts: unknown part {name!r} (b, d, e)")
+    tok = models.tokenizer
+    if args.seeds < 1:
+        raise UsageError("--seeds must be >= 1")
+
+    def schedules(seed: int) -> dict:
+        parts = {}
+        for name in [p.strip() for p in args.parts.split(",") if p.strip()]:
+            rng = random.Random(seed)
+            if name == "b":
+                parts[name] = varying_jobs(tok, rng, args.scale)[0]
+            elif name == "d":
+                parts[name] = mixed_jobs(tok, random.Random(seed + 1), args.scale)[0]
+            elif name == "e":
+                parts[name] = rp.long_jobs(tok, rng, args.scale)
+            else:
+                raise UsageError(f"--parts: unknown part {name!r} (b, d, e)")
+        return parts
+
+    seeded = [schedules(args.seed + i) for i in range(args.seeds)]
     batches = int_list(args.grid_batches, "--grid-batches") if args.grid_batches else []
     contexts = int_list(args.grid_contexts, "--grid-contexts") if batches else []
     if args.grid_rounds < 1:
@@ -809,10 +819,13 @@ def _cmd_bench_replay(args) -> int:
     requests = args.grid_rounds * max(batches + [2])  # each request of the largest cell its own document
     docs = {c: [rp.document(tok, c, 1000 * c + 7919 * i) for i in range(requests)] for c in contexts}
     res = {"gpu_type": profile.gpu_type, "target": profile.target, "draft": profile.draft, "policies": policies,
-           "scale": args.scale, "seed": args.seed, "grid_rounds": args.grid_rounds}
-    with tqdm(total=len(parts) * len(policies) + len(batches) * len(contexts) * len(policies), desc="replay",
+           "scale": args.scale, "seed": args.seed, "seeds": args.seeds, "grid_rounds": args.grid_rounds}
+    with tqdm(total=sum(map(len, seeded)) * len(policies) + len(batches) * len(contexts) * len(policies), desc="replay",
               unit="run") as bar:
-        res["parts"] = rp.replay_parts(models, profile, policies, parts, bar=bar)
+        runs = [rp.replay_parts(models, profile, policies, parts, bar=bar) for parts in seeded]
+        res["parts"] = runs[0]
+        if args.seeds > 1 and runs[0]:
+            res["seeds"] = rp.across_seeds(runs)
         if batches:
             res["grid"] = rp.replay_grid(models, profile, policies, batches, docs, rounds=args.grid_rounds, bar=bar)
     _write_bench(args, "replay", res, rp.markdown(res, policies))

@@ -52,6 +52,28 @@ def test_replay_is_deterministic_and_its_clock_is_the_cost_models(models):
     assert closed_cell(models, PROFILE, "fixed:2", 4, [list(range(3, 40))], 8, 8) > 0
 
 
+def test_across_seeds_pairs_each_policy_with_every_fixed_k_seed_by_seed():
+    """Seeds are pairs: a schedule where everything is slow moves both sides alike. The best fixed k is the one
+    with the lowest geometric mean over seeds, and the markdown prints every ratio with its interval."""
+    from serve_app.bench.replay import across_seeds, markdown
+
+    def run(fixed2, fixed3, budget):
+        return {"e": {"requests": 10, "policies": {p: {"mean_latency_s": v} for p, v in
+                                                   (("fixed:2", fixed2), ("fixed:3", fixed3), ("budget", budget))}}}
+
+    # seed 2's schedule is 3x as slow for everyone; budget is 0.9x fixed:3 on every seed
+    runs = [run(1.1, 1.0, 0.9), run(2.1, 2.0, 1.8), run(3.0, 3.3, 2.97)]
+    res = across_seeds(runs)["e"]
+    assert res["best_fixed"] == "fixed:3" and res["seeds"] == 3 and res["requests"] == [10, 10, 10]
+    vs = res["policies"]["budget"]["vs_best_fixed"]
+    assert vs["ratio"] == pytest.approx(0.9) and vs["low"] == pytest.approx(0.9) and vs["high"] == pytest.approx(0.9)
+    noisy = res["policies"]["fixed:2"]["vs_fixed"]["fixed:3"]
+    assert noisy["low"] < 1.0 < noisy["high"]  # 1.1, 1.05, 0.91: no claim
+    text = markdown({"gpu_type": "g", "target": "t", "draft": "d", "parts": {}, "seeds": {"e": res}},
+                    ["fixed:2", "fixed:3", "budget"])
+    assert "| (e) 30 requests, best fixed:3 | budget | 0.900x [0.900, 0.900] |" in text
+
+
 def test_bench_history_pairs_the_history_on_and_off_and_copies_repeats_on_the_cost_model(models):
     """`bench history`'s two halves on repeating jobs: the wall-clock rounds (both arms, paired figures, sources
     by quarter) and the replay, where answers asked again are copied from the history: more tokens per step."""

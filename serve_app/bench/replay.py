@@ -22,12 +22,14 @@ Policies run uncalibrated: the cost model is the machine here, so the profile's 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
+from serve_app.bench.rounds import fmt_paired, paired_ratio
 from serve_app.config import EngineConfig
 from serve_app.engine.policy import make_policy
 from serve_app.engine.scheduler import Engine
@@ -215,6 +217,25 @@ def replay_parts(models, profile, policies: list[str], parts: dict[str, list], m
     return out
 
 
+def across_seeds(runs: list[dict]) -> dict:
+    """`replay_parts`' results for several seeds of the same schedules (each seed its own arrivals and prompts):
+    per part, each policy's mean latency per seed and its paired ratio (geometric mean over seeds, 95% interval)
+    to every fixed k and to the best single fixed k (the lowest geometric mean over the seeds). One seed's
+    schedule is a few dozen requests whose overlaps (a long document beside short chat) move every policy by
+    5-15%: seeds, paired, tell a policy's effect from which requests happened to meet."""
+    out = {}
+    for name in runs[0]:
+        pols = list(runs[0][name]["policies"])
+        lat = {p: [r[name]["policies"][p]["mean_latency_s"] for r in runs] for p in pols}
+        fixed = [p for p in pols if p.startswith("fixed:")]
+        best = min(fixed, key=lambda p: sum(math.log(x) for x in lat[p])) if fixed else None
+        out[name] = {"seeds": len(runs), "requests": [r[name]["requests"] for r in runs], "best_fixed": best,
+                     "policies": {p: {"mean_latency_s": lat[p],
+                                      "vs_best_fixed": paired_ratio(lat[p], lat[best]) if best else None,
+                                      "vs_fixed": {f: paired_ratio(lat[p], lat[f]) for f in fixed}} for p in pols}}
+    return out
+
+
 def replay_grid(models, profile, policies: list[str], batches: list[int], documents: dict[int, list[list[int]]],
                 max_tokens: int = 32, rounds: int = 2, bar: tqdm | None = None) -> dict:
     """The closed-loop grid: tokens per virtual second per (batch, context) cell and policy, and each adaptive
@@ -252,6 +273,19 @@ def markdown(res: dict, policies: list[str]) -> str:
                          + f" | {x['tokens_per_s']:.0f} | {w['target_forwards']:.0f} | {w['verified_tokens']:.0f} | "
                          f"{w['draft_forward_rows']:.0f} | {w['kv_tokens_attended'] / 1000:.0f}k | {w['accepted_per_drafted']:.2f} |")
         lines.append("")
+    if res.get("seeds"):
+        first = next(iter(res["seeds"].values()))
+        fixed = list(next(iter(first["policies"].values()))["vs_fixed"])
+        lines += [f"## Across {first['seeds']} seeds: paired ratio of mean latency (geometric mean over seeds, 95% interval)",
+                  "", "The tables above are the first seed's. Below 1: faster than that fixed k on the same schedules.", "",
+                  "| part | policy | vs best fixed | " + " | ".join(f"vs {f}" for f in fixed) + " |",
+                  "|---|---|---|" + "---|" * len(fixed)]
+        for name, part in res["seeds"].items():
+            for p in policies:
+                x = part["policies"][p]
+                lines.append(f"| ({name}) {sum(part['requests'])} requests, best {part['best_fixed']} | {p} | "
+                             f"{fmt_paired(x['vs_best_fixed'])} | " + " | ".join(fmt_paired(x["vs_fixed"][f]) for f in fixed) + " |")
+        lines.append("")
     if res.get("grid"):
         adaptive = [p for p in policies if not p.startswith("fixed:") and p != "none"]
         lines += ["## Closed-loop grid: share of each cell's best fixed k (oracle) in tokens per virtual second", "",
@@ -263,4 +297,4 @@ def markdown(res: dict, policies: list[str]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Replay", "closed_cell", "document", "long_jobs", "markdown", "replay", "replay_grid", "replay_parts"]
+__all__ = ["Replay", "across_seeds", "closed_cell", "document", "long_jobs", "markdown", "replay", "replay_grid", "replay_parts"]
