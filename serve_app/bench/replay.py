@@ -12,9 +12,12 @@ Parts:
 - (b) time-varying chat, (d) bursts of mixed chat / JSON / rewrites, (e) long documents between short chat
   (`bench policies`' schedules, and `long_jobs`): mean latency per policy, and per 1k output tokens the target
   forwards, verified tokens, draft forward-rows, KV tokens attended, and accepted per drafted token;
-- grid: closed loop at batch b x context c (b streams, each a document of about c tokens then a short answer,
-  resubmitted as it ends): output tokens per virtual second per policy, and each cell's best fixed k (the
-  oracle) for reference.
+- grid: closed loop at batch b x context c (b streams, each sending a document of about c tokens for a short
+  answer, then the next document as it ends): output tokens per virtual second per policy, and each cell's
+  best fixed k (the oracle) for reference.
+
+`--seeds N` draws each part's schedule from N seeds and reports each policy's paired ratio over them
+(`across_seeds`): one schedule's outcome turns on which requests happen to meet.
 
 Policies run uncalibrated: the cost model is the machine here, so the profile's prices are exact for it.
 """
