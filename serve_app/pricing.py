@@ -274,16 +274,20 @@ def _between(sizes: list[int], x: float) -> tuple[int, int, float]:
     return i - 1, i, max(0.0, (x - sizes[i - 1]) / (sizes[i] - sizes[i - 1]))
 
 
+def line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else 0.0
+    return my - slope * mx, slope
+
+
 def _k_slope(ks: list[int], row: list[float]) -> float:
     """Milliseconds per k past the longest measured (a copy drafts up to max_copy): the least-squares slope
     through the k >= 1 cells, never negative. The last two cells' slope is noise at small batches (at batch 1
     on this CPU verifying 8 tokens measured 3 ms less than 7; extended to 16, a step cost less than k = 0)."""
     pts = [(float(k), v) for k, v in zip(ks, row) if k >= 1]
-    if len(pts) < 2:
-        return 0.0
-    mk, mv = sum(p[0] for p in pts) / len(pts), sum(p[1] for p in pts) / len(pts)
-    den = sum((p[0] - mk) ** 2 for p in pts)
-    return max(sum((p[0] - mk) * (p[1] - mv) for p in pts) / den, 0.0) if den else 0.0
+    return max(line([k for k, _ in pts], [v for _, v in pts])[1], 0.0) if len(pts) >= 2 else 0.0
 
 
 def _interpolate(sizes: list[int], values: list[float], x: float) -> float:

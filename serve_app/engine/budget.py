@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from serve_app.engine.draftplan import CURVE_BINS, DraftPlan
 from serve_app.engine.stats import StepStats
-from serve_app.pricing import LatencyGrid, context_bucket, expected_tokens
+from serve_app.pricing import LatencyGrid, context_bucket, expected_tokens, line
 
 
 RECORD_TTL_STEPS = 256
@@ -59,14 +59,6 @@ class Prices:
         return self.base_ms + (self.on_ms + k * (self.forward_ms + batch_size * self.token_ms) if k else 0.0)
 
 
-def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """(intercept, slope) of the least-squares line."""
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    den = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else 0.0
-    return my - slope * mx, slope
-
-
 def _forward_line(grid: LatencyGrid) -> tuple[float, float]:
     """(fixed, per row) milliseconds of one draft forward: a line through each profiled batch size's forward
     price (the draft part's slope against k) against the batch size."""
@@ -74,10 +66,10 @@ def _forward_line(grid: LatencyGrid) -> tuple[float, float]:
     if len(js) < 2:
         return 0.0, 0.0
     ks = [float(grid.ks[j]) for j in js]
-    per_batch = [max(_line(ks, [row[j] for j in js])[1], 0.0) for row in grid.draft_ms]
+    per_batch = [max(line(ks, [row[j] for j in js])[1], 0.0) for row in grid.draft_ms]
     if len(grid.batch_sizes) < 2:
         return per_batch[0], 0.0
-    fixed, per_row = _line([float(b) for b in grid.batch_sizes], per_batch)
+    fixed, per_row = line([float(b) for b in grid.batch_sizes], per_batch)
     per_row = max(per_row, 0.0)
     return max(fixed, 0.0), per_row
 
@@ -99,8 +91,8 @@ def prices(grid: LatencyGrid, batch_size: int, context: float | None = None, upt
         j = js[0] if js else 0
         return Prices(base, max(draft[j] + verify[j] + other[j] - base, 0.0), 0.0, 0.0)
     ks = [float(grid.ks[j]) for j in js]
-    d0, forward = _line(ks, [draft[j] for j in js])
-    v0, per_k = _line(ks, [verify[j] for j in js])
+    d0, forward = line(ks, [draft[j] for j in js])
+    v0, per_k = line(ks, [verify[j] for j in js])
     forward, token = max(forward, 0.0), max(per_k, 0.0) / batch_size
     rest = sum(other[j] for j in js) / len(js)
     on = max(d0 + v0 + rest - base, 0.0)
