@@ -246,7 +246,8 @@ class LatencyGrid(BaseModel):
         i0, i1, w = _between(self.batch_sizes, max(batch_size, 1))
         top = self.ks[-1]
         j0, j1, wk = _between(self.ks, min(k, top)) if k > 0 else (0, 0, 0.0)
-        lo, hi = (r[j0] + wk * (r[j1] - r[j0]) + max(k - top, 0) * _k_slope(self.ks, r) for r in (rows[i0], rows[i1]))
+        lo, hi = (r[j0] + wk * (r[j1] - r[j0]) + ((k - top) * _k_slope(self.ks, r) if k > top else 0.0)
+                  for r in (rows[i0], rows[i1]))  # the slope only past the grid (a copy): part_at runs every step
         v = max(lo + w * (hi - lo), 0.0)
         if context is not None and part != "other" and self.context is not None and self.context_tokens is not None:
             v *= self.context.scale(part, batch_size, k, context, self.context_tokens)
