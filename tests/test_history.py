@@ -14,7 +14,8 @@ from conftest import IdTokenizer, sharp_pair
 from serve_app.config import EngineConfig, SamplingParams
 from serve_app.drafting import draft_worker
 from serve_app.engine.draftplan import DraftPlan
-from serve_app.engine.history import SEPARATOR, SuffixHistory, history_estimate
+from serve_app.engine.history import RESYNC_WINDOW, SEPARATOR, SuffixHistory, history_estimate
+from serve_app.engine.lookup import CopyRecord, NgramIndex
 from serve_app.engine.scheduler import Engine
 from serve_app.engine.worker import ModelWorker
 from test_engine import reference
@@ -135,6 +136,42 @@ def test_a_slot_counts_every_filling_of_the_template_not_only_the_longest_match(
     assert exact.match(body, 1).share == 1.0
 
 
+def test_a_row_that_left_an_earlier_output_at_a_slot_picks_it_up_after_the_slot():
+    """An extraction template: the row followed an earlier filling up to its slot (a name of its own, 77 78
+    where the earlier had 50), then the template goes on. The anchors cannot find that place (the row's last
+    tokens are its own slot's), the cursor can: after the slot's end (12) it copies the rest."""
+    h = SuffixHistory(4096)
+    h.add([10, 11, 50, 12, 13, 14, 60, 15], tenant="a")
+    h.add([30, 31, 32], tenant="a")
+    start = 0  # the first document's first token sits at absolute position 0
+    row = [10, 11, 77, 78, 12]
+    assert h.match(row, 4, tenant="a") is None
+    m = h.resync_rows([start + 2], [row[-1]], 4, ["a"])[0]  # it left the output at 50 (position 2)
+    assert m.tokens == [13, 14, 60, 15] and m.at == start + 4 and m.prior is not None
+    assert history_estimate(0, 0, m)[0] == pytest.approx(m.prior)
+    # nothing crosses the document's end, another tenant's output is never picked up, no cursor: nothing
+    assert h.resync_rows([start + 2], [60], 8, ["a"])[0].tokens == [15]
+    assert h.resync_rows([start + 2], [12], 4, ["b"]) == [None]
+    assert h.resync_rows([-1], [12], 4, ["a"]) == [None]
+    assert h.resync_rows([start + 2], [99], 4, ["a"]) == [None]  # the row's token is not in the window
+    far = SuffixHistory(4096)  # the window is bounded: a slot's end further on is not looked for
+    far.add([10] + list(range(100, 100 + RESYNC_WINDOW)) + [12, 13], tenant="a")
+    assert far.resync_rows([1], [12], 2, ["a"]) == [None]
+
+
+def test_a_rows_cursor_follows_its_accepted_history_copies_and_expires():
+    rec = CopyRecord(NgramIndex(2, 4, [1, 2, 3]))
+    rec.copied, rec.from_history, rec.history_at = 4, True, 100
+    rec.settle([5, 6, 9])  # two copied tokens accepted, then the target's own: it left the output at 102
+    assert (rec.cursor, rec.since) == (102, 1)
+    rec.copied, rec.from_history, rec.history_at = 3, True, 200
+    rec.settle([7])  # a copy the target refused at once: no text the row followed, the cursor stays
+    assert (rec.cursor, rec.since) == (102, 2)
+    for _ in range(RESYNC_WINDOW):  # the model's tokens: the slot ran too long to be one, the cursor goes
+        rec.settle([8])
+    assert rec.cursor == -1
+
+
 # ---- through the engine ----------------------------------------------------------------------------
 PROMPTS = [[1, 2, 3], list(range(10, 40)), [7, 8], [42, 43, 44, 45]]
 
@@ -203,6 +240,37 @@ def test_greedy_identical_with_the_history(tiny_target, tiny_drafts, policy):
     assert sources["history"][1] > 0 and [sum(x) for x in zip(*sources.values())] == totals  # every token has a source
     assert sum(r.stats.accepted for r in reqs) > 0.6 * 24 * len(PROMPTS)  # the repeats copy their earlier answers
     assert engine.draft.history.stats()["hits"] > 0
+
+
+def test_rows_picking_up_an_earlier_output_past_its_slots_stay_exact(tiny_target, tiny_drafts):
+    """The history holds each answer with two slots filled otherwise (an extraction template's other filling):
+    rows copy it, part at each slot, pick it up again after it (`resync_rows`), and the text is the target's,
+    in fewer target steps than with the anchors alone."""
+    ref = reference(tiny_target, PROMPTS, 24)
+    for policy in (Fixed(6), Plans(3)):
+        steps = {}
+        for resync in (True, False):
+            engine = history_engine(tiny_target, tiny_drafts["random"], policy, max_batch_size=3)
+            history = engine.draft.history
+            for p, out in zip(PROMPTS, ref):
+                other = list(out)
+                for i in (6, 14):
+                    other[i] = next(t for t in range(97) if t not in out[i - 3:i + 4])  # a filling the target never emits
+                history.add(other, "", p)
+            picked, resync_rows = [], history.resync_rows
+
+            def watched(cursors, *a, on=resync, **k):
+                out = resync_rows(cursors, *a, **k) if on else [None] * len(cursors)
+                picked.extend(m for m in out if m is not None)
+                return out
+
+            history.resync_rows = watched
+            reqs = [engine.submit(p, SamplingParams(max_tokens=24)) for p in PROMPTS]
+            engine.run(reqs)
+            assert [r.output_ids for r in reqs] == ref
+            assert bool(picked) == resync, "no row picked up its earlier output past a slot"
+            steps[resync] = sum(r.stats.steps for r in reqs)
+        assert steps[True] < steps[False], steps
 
 
 def test_seeded_text_is_the_same_with_the_history(tiny_target, tiny_drafts):

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from serve_app.engine.history import RESYNC_WINDOW
+
+
 class NgramIndex:
     """One sequence's context and the index of its n-grams (min_n..max_n tokens): what followed each one
     last time. Also the model drafts' prompt lookup beside their own proposals (`ModelWorker`)."""
@@ -85,6 +88,14 @@ class CopyRecord:
     """The same as `hits` for the row's copies from the history."""
     history_tries: float = 0.0
     """The same as `tries` for the row's copies from the history."""
+    history_at: int = -1
+    """Where in the history the outstanding copy started (an absolute position)."""
+    cursor: int = -1
+    """Where the row's text left the earlier output it last copied from the history with some accepted (the
+    first of that output's tokens the target did not take; -1: none): `SuffixHistory.resync_rows` picks it up
+    again there."""
+    since: int = 0
+    """Tokens the row committed since it left that output."""
 
     PRIOR = 2.0  # judged copies' worth of the prior
 
@@ -94,18 +105,24 @@ class CopyRecord:
         prior = min(0.2 * n, 0.8)
         return (self.hits + self.PRIOR * prior) / (self.tries + self.PRIOR)
 
-    def settle(self, new: list[int]) -> None:
-        """The committed tokens of a step: score the outstanding copy, then index them."""
+    def settle(self, new: list[int], window: int = RESYNC_WINDOW) -> None:
+        """The committed tokens of a step: score the outstanding copy, follow where the row stands in the
+        history output it copied (dropped `window` tokens after it left it), then index them."""
+        self.since += len(new)
         if self.copied:
             accepted = len(new) - 1
             hits, tries = min(accepted, self.copied), min(accepted + 1, self.copied)
             if self.from_history:
                 self.history_hits += hits
                 self.history_tries += tries
+                if hits:  # a copy that failed at once was no text the row followed: the cursor stays
+                    self.cursor, self.since = self.history_at + hits, len(new) - hits
             else:
                 self.hits += hits
                 self.tries += tries
             self.copied, self.from_history = 0, False
+        if self.since > window:
+            self.cursor = -1
         self.index.extend(new)
 
 

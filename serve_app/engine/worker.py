@@ -820,6 +820,7 @@ class Drafting:
         self.copy_conf: list[float | list[float]] = [0.0] * len(seqs)  # a history copy's: one per token
         self.copy_len = [0] * len(seqs)  # tokens its source had (a history match may hold fewer than k)
         self.from_history = [False] * len(seqs)
+        self.copy_at = [-1] * len(seqs)  # a history copy's start in the history
         self.tokens, self.probs, self.support, self.confs = [], [], [], []
         self.rows = list(range(len(seqs)))  # the rows of the next forward
         self.more = self.k > 0
@@ -863,11 +864,18 @@ class Drafting:
         accepted at the first position (the model: its curve at its confidence; a copy: its record's estimate)."""
         plan = self.walk.plan if self.walk is not None else None
         history = self.worker.history
-        found = (history.match_rows([self.seqs[b].tokens[-history.window:] for b in self.copyable], self.k,
-                                    [self.worker._tenant(self.seqs[b].params) for b in self.copyable])
-                 if history is not None and len(history) else [None] * len(self.copyable))
-        for b, hist in zip(self.copyable, found):
+        found = resynced = [None] * len(self.copyable)
+        if history is not None and len(history):
+            tenants = [self.worker._tenant(self.seqs[b].params) for b in self.copyable]
+            found = history.match_rows([self.seqs[b].tokens[-history.window:] for b in self.copyable], self.k, tenants)
+            resynced = history.resync_rows([self.seqs[b].extra["copy"].cursor for b in self.copyable],
+                                           [self.seqs[b].tokens[-1] for b in self.copyable], self.k, tenants)
+        for b, hist, again in zip(self.copyable, found, resynced):
             rec = self.seqs[b].extra["copy"]
+            # the history's proposal: what the row's last tokens anchor, or the earlier output it followed picked
+            # up past its slot, whichever is likelier at the first token (a history copy's estimate is per token)
+            hist_e = max(((history_estimate(rec.history_hits, rec.history_tries, m), m) for m in (hist, again) if m),
+                         key=lambda x: x[0][0], default=None)
             best = conf[b] if plan is None else plan.estimate(b, conf[b])
             toks, n = rec.index.match(self.k)
             if n >= LOOKUP_MIN_N:
@@ -875,13 +883,13 @@ class Drafting:
                 score = e if plan is None else plan.estimate(b, e, True)
                 if score > best:
                     best, self.copy[b], self.copy_conf[b], self.copy_len[b] = score, toks, e, self.k
-            if hist is not None:
-                e = history_estimate(rec.history_hits, rec.history_tries, hist)  # per copied token
+            if hist_e is not None:
+                e, hist = hist_e
                 if (e[0] if plan is None else plan.estimate(b, e[0], True, True)) > best:
                     # shorter than k: the rest repeats its last token (a walk stops the row there instead)
                     pad = self.k - len(hist.tokens)
                     self.copy[b], self.copy_conf[b] = hist.tokens + [hist.tokens[-1]] * pad, e + [e[-1]] * pad
-                    self.copy_len[b], self.from_history[b] = len(hist.tokens), True
+                    self.copy_len[b], self.from_history[b], self.copy_at[b] = len(hist.tokens), True, hist.at
 
     def _copy_ended(self, j: int) -> None:
         """A walk drafts no row past its copy's end (a history match shorter than the plan's k)."""
@@ -938,7 +946,7 @@ class Drafting:
         for b, c in enumerate(self.copy):
             if c is not None:
                 rec = self.seqs[b].extra["copy"]
-                rec.copied, rec.from_history = lengths[b], self.from_history[b]
+                rec.copied, rec.from_history, rec.history_at = lengths[b], self.from_history[b], self.copy_at[b]
         if any(self.from_history):
             out.history = list(self.from_history)
         return out
