@@ -191,6 +191,13 @@ class SuffixHistory:
                 out[r] = m
         return out
 
+    def _read(self, positions: np.ndarray) -> np.ndarray:
+        """The tokens at absolute `positions` ([..., n], consecutive along the last axis), SEPARATOR where a
+        position is not held (overwritten, not yet written) and from the first document end on."""
+        toks = np.where((positions >= self.end - self.capacity) & (positions < self.end),
+                        self.tokens[positions & self.ring_mask], SEPARATOR)
+        return np.where(np.logical_and.accumulate(toks != SEPARATOR, axis=-1), toks, SEPARATOR)
+
     def _candidates(self, contexts: list[list[int]], k: int, tids: list[int], n: int, p: np.ndarray) -> list[Match | None]:
         cap, oldest, R, C = self.ring_mask, self.end - self.capacity, len(contexts), self.candidates
         w = min(self.window, max(len(c) for c in contexts))
@@ -218,8 +225,7 @@ class SuffixHistory:
         alive = ok & (length >= best_len)  # [R, C]
         voting = ok & (2 * length >= best_len)  # [R, C]
         ahead = pos[:, :, None] + np.arange(k)  # [R, C, k]
-        cont = np.where(ahead < self.end, self.tokens[ahead & cap], SEPARATOR)
-        cont = np.where(np.logical_and.accumulate(cont != SEPARATOR, axis=2), cont, SEPARATOR)  # nothing past a document's end
+        cont = self._read(ahead)  # nothing past a document's end
         # path agreement: whether candidate a's continuation agrees with candidate b's through position j, for
         # every pair, as equal hashes of their prefixes (one comparison per pair and position)
         prefix = np.empty(cont.shape, dtype=np.int64)  # [R, C, k]
@@ -254,18 +260,13 @@ class SuffixHistory:
         rows = [r for r, c in enumerate(cursors) if c >= 0]
         if k <= 0 or not rows:
             return out
-        cap, oldest = self.ring_mask, self.end - self.capacity
         cur = np.asarray([cursors[r] for r in rows], dtype=np.int64)[:, None]
         tid = np.asarray([self.tenants.get(tenants[r], -1) for r in rows], dtype=np.int32)[:, None]
-        win = cur + np.arange(RESYNC_WINDOW)  # [R, W]
-        toks = np.where((win >= oldest) & (win < self.end), self.tokens[win & cap], SEPARATOR)
-        toks = np.where(np.logical_and.accumulate(toks != SEPARATOR, axis=1), toks, SEPARATOR)  # within its document
-        hit = (toks == np.asarray([lasts[r] for r in rows])[:, None]) & (self.tenant[win & cap] == tid)
+        win = cur + np.arange(RESYNC_WINDOW)  # [R, W] within its document
+        hit = (self._read(win) == np.asarray([lasts[r] for r in rows])[:, None]) & (self.tenant[win & self.ring_mask] == tid)
         found = hit.any(axis=1)
         at = cur[:, 0] + np.argmax(hit, axis=1) + 1  # [R] right after the row's latest token
-        ahead = at[:, None] + np.arange(k)  # [R, k]
-        cont = np.where(ahead < self.end, self.tokens[ahead & cap], SEPARATOR)
-        cont = np.where(np.logical_and.accumulate(cont != SEPARATOR, axis=1), cont, SEPARATOR)
+        cont = self._read(at[:, None] + np.arange(k))  # [R, k]
         for i, r in enumerate(rows):
             toks_r = [t for t in cont[i].tolist() if t != SEPARATOR]
             if found[i] and toks_r:
