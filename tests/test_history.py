@@ -14,7 +14,7 @@ from conftest import IdTokenizer, sharp_pair
 from serve_app.config import EngineConfig, SamplingParams
 from serve_app.drafting import draft_worker
 from serve_app.engine.draftplan import DraftPlan
-from serve_app.engine.history import RESYNC_WINDOW, SEPARATOR, SuffixHistory, history_estimate
+from serve_app.engine.history import RESYNC_WINDOW, SEPARATOR, LiveOutputs, SuffixHistory, history_estimate
 from serve_app.engine.lookup import CopyRecord, NgramIndex
 from serve_app.engine.scheduler import Engine
 from serve_app.engine.worker import ModelWorker
@@ -172,6 +172,29 @@ def test_a_rows_cursor_follows_its_accepted_history_copies_and_expires():
     assert rec.cursor == -1
 
 
+def test_running_rows_draft_from_each_others_output_so_far():
+    """Row b asks what row a is answering, a few tokens behind it: b's last tokens anchor in a's output so far
+    and it copies on as far as a got (further as a commits); never from itself, never across tenants, nothing
+    once a is gone, and nothing left behind in the index."""
+    live = LiveOutputs(anchors=(3,))
+    a, b = [1, 2, 3, 10, 11, 12, 13, 14], [1, 2, 3, 10, 11]
+    live.start("a", "t", a, 3)
+    live.start("b", "t", b, 3)
+    live.start("c", "u", list(b), 3)  # the same text under another tenant
+    m = live.match_rows(["b"], 4)[0]
+    assert m.tokens == [12, 13, 14] and m.length == 5 and m.at == -1  # 1 2 3 10 11 agree; a has 3 more
+    a.append(15)
+    live.extend("a")
+    assert live.match_rows(["b"], 8)[0].tokens == [12, 13, 14, 15]
+    assert live.match_rows(["a", "c"], 4) == [None, None]  # a's own suffix is prompt lookup's; c sees only u's rows
+    b += [12, 99]
+    live.extend("b")  # b parted from a: nothing of a follows 12 99
+    assert live.match_rows(["b"], 4) == [None]
+    for row in ("a", "b", "c"):
+        live.stop(row)
+    assert not live.index and not live.rows
+
+
 # ---- through the engine ----------------------------------------------------------------------------
 PROMPTS = [[1, 2, 3], list(range(10, 40)), [7, 8], [42, 43, 44, 45]]
 
@@ -270,6 +293,34 @@ def test_rows_picking_up_an_earlier_output_past_its_slots_stay_exact(tiny_target
             assert [r.output_ids for r in reqs] == ref
             assert bool(picked) == resync, "no row picked up its earlier output past a slot"
             steps[resync] = sum(r.stats.steps for r in reqs)
+        assert steps[True] < steps[False], steps
+
+
+def test_a_request_behind_another_with_the_same_prompt_copies_its_output_so_far(tiny_target, tiny_drafts):
+    """A burst: the same prompt again while its first answer is still running. The second copies the first's
+    output so far (`LiveOutputs`; finished outputs are kept out), in fewer target steps than without it; both
+    texts are the target's own, greedy and seeded, under a fixed k and per-row plans."""
+    prompt, n = PROMPTS[0], 12  # an answer that does not repeat itself: prompt lookup finds nothing in it
+    ref = reference(tiny_target, [prompt], n)[0]
+    for policy, params in ((Fixed(4), SamplingParams(max_tokens=n)), (Plans(1), SamplingParams(max_tokens=n)),
+                           (Plans(2), SamplingParams(max_tokens=n, temperature=0.9, seed=5))):
+        steps, outs = {}, {}
+        for live in (True, False):
+            engine = history_engine(tiny_target, tiny_drafts["random"], policy, max_batch_size=3)
+            engine.draft.history.add = lambda *a, **k: None  # finished outputs stay out: the running one alone
+            if not live:
+                engine.draft.live = None
+            first = engine.submit(prompt, params)
+            for _ in range(8):
+                engine.step()
+            assert not first.finished and len(engine.draft.history) == 0
+            second = engine.submit(prompt, params)
+            engine.run([first, second])
+            outs[live] = (first.output_ids, second.output_ids)
+            steps[live] = second.stats.steps
+        assert outs[True] == outs[False] and outs[True][0] == outs[True][1]
+        if params.greedy:
+            assert outs[True][0] == ref
         assert steps[True] < steps[False], steps
 
 

@@ -31,7 +31,8 @@ def draft_worker(draft, pad_id: int = 0, prompt_lookup: bool = False, history_to
     if isinstance(worker, ModelWorker):
         worker.prompt_lookup = prompt_lookup
         if prompt_lookup and history_tokens:
-            from serve_app.engine.history import SuffixHistory
+            from serve_app.engine.history import LiveOutputs, SuffixHistory
 
             worker.history, worker.history_shared = SuffixHistory(history_tokens), history_shared
+            worker.live = LiveOutputs()
     return worker

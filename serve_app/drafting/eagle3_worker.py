@@ -18,8 +18,7 @@ import torch
 
 from serve_app.engine.draftplan import DraftPlan
 from serve_app.engine.kv import pack
-from serve_app.engine.worker import (Drafting, ModelWorker, Proposal, _backlog_agreement, paged_attention, settle_copy,
-                                     settle_guide)
+from serve_app.engine.worker import Drafting, ModelWorker, Proposal, _backlog_agreement, paged_attention
 
 
 class EagleWorker(ModelWorker):
@@ -75,9 +74,7 @@ class EagleWorker(ModelWorker):
         """Append the accepted tokens and the target's features of the positions it made final (None
         when there are none: the first token after a prefill, whose prompt features came with it)."""
         for sid, new in zip(seq_ids, new_tokens):
-            self.seqs[sid].tokens.extend(new)
-            settle_guide(self.seqs[sid], new)
-            settle_copy(self.seqs[sid], new)
+            self._append_committed(sid, new)
             self.cache.trim(sid, self.seqs[sid].kv_len)  # its own speculative positions go
         if features is not None:
             self._take(seq_ids, features)

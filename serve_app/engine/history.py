@@ -20,6 +20,11 @@ A row that parted from an earlier output at a template's slot (its own name wher
 another) cannot anchor again until its last tokens are template text once more; `resync_rows` picks the
 earlier output up past the slot instead, from where the row left it (`lookup.CopyRecord.cursor`).
 
+An output joins the history when it finishes; repeating requests often arrive together (an agent fanning one
+task out, an extraction job's burst of documents, a retry), and the rows behind the first would draft its answer
+from the model meanwhile. `LiveOutputs` indexes the running rows' prompt tails and outputs as they commit, and
+proposes what a row ahead of this one produced after the same tokens.
+
 A request drafts only from its tenant's outputs (its `cache_salt`; none: the deployment's default tenant),
 unless the deployment shares one history across tenants: a long accepted run would otherwise tell a request
 that another tenant produced that text. Exactness is the copy's: a copied token is verified against a one-hot
@@ -29,6 +34,7 @@ q, and which source a row drafts from depends on its context only, never on a to
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import islice
 
 import numpy as np
 
@@ -292,4 +298,113 @@ class SuffixHistory:
                 "lookups": self.lookups, "hits": self.hits}
 
 
-__all__ = ["Match", "PROMPT_TAIL", "RESYNC_WINDOW", "SEPARATOR", "SuffixHistory", "history_estimate"]
+class LiveOutputs:
+    """The outputs still being generated, for the rows behind them in a burst (module docstring).
+
+    Per anchor length, (tenant, n tokens) -> {row: the position right after their latest occurrence in that
+    row}, over each running row's prompt tail and output so far; a candidate's continuation is read from the
+    row's own token list (it grows; the index holds positions, no copies). Per step: a dictionary update per
+    committed token and anchor; a lookup takes at most `candidates` rows per anchor, newest first (at batch 32,
+    0.03 ms when few rows share text, 0.6 ms when every row matches eight others 32 tokens back). A row never
+    matches itself (its own context is prompt lookup's)."""
+
+    def __init__(self, anchors: tuple[int, ...] = (8, 3), candidates: int = 8, window: int = 32):
+        self.anchors, self.candidates, self.window = tuple(sorted(anchors, reverse=True)), candidates, window
+        self.index: dict[tuple, dict[str, int]] = {}
+        self.rows: dict[str, list] = {}  # row -> [tenant, its tokens (the worker's list), first indexed, next to index]
+        self.lookups = self.hits = 0
+
+    def __len__(self) -> int:
+        """Rows held."""
+        return len(self.rows)
+
+    def start(self, row: str, tenant: str, tokens: list[int], prompt_len: int) -> None:
+        """A running row: `tokens` its context (prompt, then output as it commits), indexed from its prompt's
+        last `PROMPT_TAIL` tokens on (where its answer starts, as in the history)."""
+        first = max(prompt_len - PROMPT_TAIL, 0)
+        self.rows[row] = [tenant, tokens, first, first + 1]
+        self.extend(row)
+
+    def extend(self, row: str) -> None:
+        """Index the row's tokens committed since the last call: each position e (tokens[e] exists) after the
+        anchors that end right before it."""
+        entry = self.rows.get(row)
+        if entry is None:
+            return
+        tenant, toks, first, nxt = entry
+        for e in range(nxt, len(toks)):
+            for n in self.anchors:
+                if e - n >= first:
+                    d = self.index.setdefault((tenant, *toks[e - n : e]), {})
+                    d.pop(row, None)  # re-inserted: the dictionary's order is the newest last
+                    d[row] = e
+        entry[3] = max(nxt, len(toks))
+
+    def stop(self, row: str) -> None:
+        """The row finished or left: its positions go (its output joins the history, if it finished)."""
+        entry = self.rows.pop(row, None)
+        if entry is None:
+            return
+        tenant, toks, first, nxt = entry
+        for e in range(first + 1, nxt):
+            for n in self.anchors:
+                if e - n >= first:
+                    key = (tenant, *toks[e - n : e])
+                    d = self.index.get(key)
+                    if d is not None and d.pop(row, None) is not None and not d:
+                        del self.index[key]
+
+    def match_rows(self, rows: list[str], k: int) -> list[Match | None]:
+        """Per row, the continuation other running rows of its tenant took after its last tokens (the longest
+        anchor that any of them holds), up to k tokens: the one that got furthest among those matching the
+        row's context furthest back, with the votes of those matching at least half as far (`Match`)."""
+        out: list[Match | None] = [None] * len(rows)
+        if k <= 0 or len(self.rows) < 2:
+            return out
+        for r, row in enumerate(rows):
+            entry = self.rows.get(row)
+            if entry is None:
+                continue
+            self.lookups += 1
+            tenant, ctx = entry[0], entry[1]
+            for n in self.anchors:
+                d = self.index.get((tenant, *ctx[-n:])) if len(ctx) >= n else None
+                cands = list(islice(((s, e) for s, e in reversed(d.items()) if s != row), self.candidates)) if d else []
+                if cands:
+                    out[r] = self._vote(ctx, cands, k)
+                    self.hits += 1
+                    break
+        return out
+
+    def _vote(self, ctx: list[int], cands: list[tuple[str, int]], k: int) -> Match:
+        lens, conts = [], []
+        w = min(self.window, len(ctx))
+        for s, e in cands:
+            toks, first = self.rows[s][1], self.rows[s][2]
+            m = min(w, e - first)
+            if toks[e - m : e] != ctx[len(ctx) - m :]:  # agreeing all the way back is the common case: one compare
+                m = 0
+                while toks[e - 1 - m] == ctx[-1 - m]:  # the anchor agrees; the window's start does not
+                    m += 1
+            lens.append(m)
+            conts.append(toks[e : e + k])
+        best = max(lens)
+        lead = max((c for c, m in zip(conts, lens) if m == best), key=len)  # the row that got furthest
+        # per voting candidate (matching at least half as far back): a, how many tokens it agrees with the lead
+        # for; it votes at every position before a, and is a voter choosing otherwise at a if it holds a token there
+        n = len(lead)
+        through, other, support = [0] * (n + 1), [0] * (n + 1), 0
+        for c, m in zip(conts, lens):
+            if 2 * m >= best:
+                support += 1
+                a = n if c[:n] == lead else next((j for j, (x, y) in enumerate(zip(c, lead)) if x != y), len(c))
+                through[a] += 1
+                other[a] += a < len(c) and a < n
+        votes, agreeing = [0] * n, 0
+        for j in range(n - 1, -1, -1):  # votes[j]: candidates agreeing through j
+            agreeing += through[j + 1]
+            votes[j] = agreeing
+        return Match(lead, votes, [v + o for v, o in zip(votes, other)], support, best)
+
+
+__all__ = ["LiveOutputs", "Match", "PROMPT_TAIL", "RESYNC_WINDOW", "SEPARATOR", "SuffixHistory", "history_estimate"]

@@ -115,7 +115,8 @@ class CopyRecord:
             if self.from_history:
                 self.history_hits += hits
                 self.history_tries += tries
-                if hits:  # a copy that failed at once was no text the row followed: the cursor stays
+                if hits and self.history_at >= 0:  # a copy that failed at once was no text the row followed: the
+                    # cursor stays (a running row's output, `history_at` -1, has no place in the history)
                     self.cursor, self.since = self.history_at + hits, len(new) - hits
             else:
                 self.hits += hits

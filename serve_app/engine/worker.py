@@ -35,7 +35,7 @@ from serve_app.engine.grammar import Guide
 from serve_app.engine import attention
 from serve_app.engine.kv import (ATTENTION, PagedKV, attention_layers, cuda_memory, kv_bytes_per_token, kv_pool_tokens,
                                 pack)
-from serve_app.engine.history import PROMPT_TAIL, SuffixHistory, history_estimate
+from serve_app.engine.history import PROMPT_TAIL, LiveOutputs, SuffixHistory, history_estimate
 from serve_app.engine.lookup import LOOKUP_MIN_N, CopyRecord, NgramIndex
 from serve_app.engine.sampling import TOP_N, Warp, draft_choice, logprob_top, noise_key, verify_walk
 
@@ -156,6 +156,8 @@ class ModelWorker:
         """A draft: rows may copy from their own context where that agrees better (`engine.lookup`)."""
         self.history: SuffixHistory | None = None
         """A draft with prompt lookup: rows may also copy from earlier requests' outputs (`engine.history`)."""
+        self.live: LiveOutputs | None = None
+        """Beside the history: the outputs of the rows running now, as they commit (`history.LiveOutputs`)."""
         self.history_shared = False
         """Every request drafts from one history (a single-tenant deployment); else from its tenant's only."""
         self.history_outbox: list[tuple[str, list[int], list[int]]] | None = None
@@ -218,6 +220,10 @@ class ModelWorker:
                 self.seqs[sid].extra["kept_features"] = cached[-1]
             if self.prompt_lookup:
                 self.seqs[sid].extra["copy"] = CopyRecord(NgramIndex(LOOKUP_MIN_N, 4, prompt))
+            if self.live is not None:
+                s = self.seqs[sid]
+                s.extra["live"] = sid
+                self.live.start(sid, self._tenant(p), s.tokens, s.extra["prompt_len"])
         bs = self.cache.block_size
         self.cache.ensure(sum(-(-(len(p) - c) // bs) + 1 for p, c in zip(prompts, cached)))
         return cached
@@ -249,6 +255,8 @@ class ModelWorker:
         for sid in gone:
             del self.seqs[sid]
             self.cache.release(sid)
+            if self.live is not None:
+                self.live.stop(sid)
         self.order = [s for s in self.order if s not in gone]
 
     def reset(self) -> None:
@@ -348,11 +356,19 @@ class ModelWorker:
                 # KV holds the proposal's first k-1 tokens; the first len(new)-1 of them were accepted.
                 s.kv_len = min(s.proposal_kv, committed + len(new) - 1)
                 s.proposal_kv = -1
-            s.tokens.extend(new)
-            settle_guide(s, new)
-            settle_copy(s, new)
+            self._append_committed(sid, new)
             self.cache.trim(sid, s.kv_len)
             self.cache.commit(sid, s.tokens, s.kv_len)
+
+    def _append_committed(self, sid: str, new: list[int]) -> None:
+        """A draft's sequence takes its committed tokens: its grammar, prompt lookup and the running rows'
+        outputs (`live`) follow."""
+        s = self.seqs[sid]
+        s.tokens.extend(new)
+        settle_guide(s, new)
+        settle_copy(s, new)
+        if self.live is not None:
+            self.live.extend(sid)
 
     # ---- target side -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -864,17 +880,20 @@ class Drafting:
         accepted at the first position (the model: its curve at its confidence; a copy: its record's estimate)."""
         plan = self.walk.plan if self.walk is not None else None
         history = self.worker.history
-        found = resynced = [None] * len(self.copyable)
+        found = resynced = live = [None] * len(self.copyable)
         if history is not None and len(history):
             tenants = [self.worker._tenant(self.seqs[b].params) for b in self.copyable]
             found = history.match_rows([self.seqs[b].tokens[-history.window:] for b in self.copyable], self.k, tenants)
             resynced = history.resync_rows([self.seqs[b].extra["copy"].cursor for b in self.copyable],
                                            [self.seqs[b].tokens[-1] for b in self.copyable], self.k, tenants)
-        for b, hist, again in zip(self.copyable, found, resynced):
+        if self.worker.live is not None:
+            live = self.worker.live.match_rows([self.seqs[b].extra.get("live", "") for b in self.copyable], self.k)
+        for b, hist, again, now in zip(self.copyable, found, resynced, live):
             rec = self.seqs[b].extra["copy"]
-            # the history's proposal: what the row's last tokens anchor, or the earlier output it followed picked
-            # up past its slot, whichever is likelier at the first token (a history copy's estimate is per token)
-            hist_e = max(((history_estimate(rec.history_hits, rec.history_tries, m), m) for m in (hist, again) if m),
+            # the history's proposal: what the row's last tokens anchor (in finished outputs or running rows'),
+            # or the earlier output it followed picked up past its slot, whichever is likelier at the first token
+            # (a history copy's estimate is per token)
+            hist_e = max(((history_estimate(rec.history_hits, rec.history_tries, m), m) for m in (hist, again, now) if m),
                          key=lambda x: x[0][0], default=None)
             best = conf[b] if plan is None else plan.estimate(b, conf[b])
             toks, n = rec.index.match(self.k)
