@@ -60,9 +60,13 @@ def render_metrics(snapshots: dict[str, dict], model_name: str) -> str:
     for name, kind, help_text, key in (
             ("specserve_history_tokens", "gauge", "Tokens the draft's suffix history holds.", "tokens"),
             ("specserve_history_lookups_total", "counter", "Suffix history lookups (one per copyable row per proposal).", "lookups"),
-            ("specserve_history_hits_total", "counter", "Suffix history lookups that found a match.", "hits")):
+            ("specserve_history_hits_total", "counter", "Suffix history lookups that found a match.", "hits"),
+            ("specserve_history_running_lookups_total", "counter",
+             "Lookups in the outputs of the rows running now (one per copyable row per proposal).", "running_lookups"),
+            ("specserve_history_running_hits_total", "counter",
+             "Lookups in the running rows' outputs that found another row's continuation.", "running_hits")):
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-        lines += [f"{name}{{{labels(r, snapshots[r])}}} {float(h[key])}" for r, h in held.items()]
+        lines += [f"{name}{{{labels(r, snapshots[r])}}} {float(h.get(key, 0))}" for r, h in held.items()]
     calibrated = {r: s["calibration"] for r, s in snapshots.items() if s.get("calibration")}
     name = "specserve_calibration_factor"
     lines += [f"# HELP {name} Measured / profiled step time of one part (draft, verify, other) at a profiled batch size, "

@@ -702,7 +702,7 @@ def test_replicas_share_one_suffix_history_and_draft_from_it(service):
     assert history_accepted() > accepted + 8
     text = httpx.get(f"{service['url']}/metrics").text
     assert 'specserve_draft_source_tokens_total{' in text and 'source="history"' in text
-    assert "specserve_history_tokens{" in text
+    assert "specserve_history_tokens{" in text and "specserve_history_running_hits_total{" in text
 
 
 def test_a_restarted_history_store_is_refilled_by_the_replicas(service):

@@ -297,8 +297,13 @@ class ModelWorker:
         return self.history.export() if self.history is not None else []
 
     def history_stats(self) -> dict | None:
-        """The suffix history's size and hit rate (`SuffixHistory.stats`); None without one."""
-        return self.history.stats() if self.history is not None else None
+        """The suffix history's size and hit rate (`SuffixHistory.stats`), and the running rows' outputs' lookups
+        and hits (`LiveOutputs`); None without a history."""
+        if self.history is None:
+            return None
+        live = self.live
+        return {**self.history.stats(), "running_rows": len(live) if live else 0,
+                "running_lookups": live.lookups if live else 0, "running_hits": live.hits if live else 0}
 
     @torch.inference_mode()
     def prefill(self, seq_ids: list[str], features: list[torch.Tensor] | None = None,
