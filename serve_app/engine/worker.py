@@ -302,8 +302,8 @@ class ModelWorker:
         if self.history is None:
             return None
         live = self.live
-        return {**self.history.stats(), "running_rows": len(live) if live else 0,
-                "running_lookups": live.lookups if live else 0, "running_hits": live.hits if live else 0}
+        return {**self.history.stats(), **({"running_rows": len(live), "running_lookups": live.lookups,
+                                            "running_hits": live.hits} if live is not None else {})}
 
     @torch.inference_mode()
     def prefill(self, seq_ids: list[str], features: list[torch.Tensor] | None = None,
