@@ -172,6 +172,29 @@ def test_a_rows_cursor_follows_its_accepted_history_copies_and_expires():
     assert rec.cursor == -1
 
 
+def test_votes_at_a_position_never_outnumber_the_voters_there():
+    """Candidates agreeing with the followed continuation through position j are among those still agreeing before
+    it: votes <= voters everywhere. Small vocabularies make near-identical continuations; a prefix hash that
+    collides (an XOR-multiply one did: [x, 1] and [y, 0] where x's hash and y's differ in the last bit) counted
+    candidates that had parted as agreeing again."""
+    r = random.Random(0)
+    checked = 0
+    for _ in range(600):
+        vocab = r.choice([3, 5, 20])
+        h = SuffixHistory(r.choice([64, 256, 4096]))
+        for _ in range(r.randrange(1, 40)):
+            h.add([r.randrange(vocab) for _ in range(r.randrange(2, 40))], r.choice(["", "a"]),
+                  [r.randrange(vocab) for _ in range(r.randrange(0, 5))])
+        ctxs = [[r.randrange(vocab) for _ in range(r.randrange(3, 30))] for _ in range(r.randrange(1, 9))]
+        tenants = [r.choice(["", "a", "b"]) for _ in ctxs]
+        for m in h.match_rows(ctxs, r.randrange(1, 33), tenants):
+            if m is not None:
+                checked += 1
+                assert all(v <= n for v, n in zip(m.votes, m.voters)), m
+                assert all(a >= b for a, b in zip(m.votes, m.votes[1:])), m
+    assert checked > 500
+
+
 def test_running_rows_draft_from_each_others_output_so_far():
     """Row b asks what row a is answering, a few tokens behind it: b's last tokens anchor in a's output so far
     and it copies on as far as a got (further as a commits); never from itself, never across tenants, nothing

@@ -90,6 +90,30 @@ def history_estimate(hits: float, tries: float, match: Match, prior_weight: floa
     return [rate * v / n for v, n in zip(match.votes, match.voters)]
 
 
+PATH_MULTIPLIERS = np.random.default_rng(0).integers(1, 1 << 62, size=256, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+"""Per position of a continuation, an odd 64-bit multiplier: two continuations' prefix hashes (a wrapping sum of
+token x multiplier) are equal where their tokens are, and elsewhere by chance only (about 2^-60)."""
+
+
+def _shared_paths(prefix: np.ndarray, on: np.ndarray) -> np.ndarray:
+    """[R, C] per candidate, over its positions j that are `on`, how many `on` candidates (itself included) share
+    its prefix hash through j: sum over j of the count of equal values in prefix[r, :, j] ([R, C, k]). By sorting
+    each (row, position)'s C values, not comparing every pair: O(R k C log C), not O(R k C^2)."""
+    R, C, k = prefix.shape
+    # candidates that are off get values no other holds (never equal to another's), then count nothing
+    v = np.where(on, prefix, -1 - np.arange(R * C * k, dtype=np.int64).reshape(R, C, k))
+    v = np.ascontiguousarray(v.transpose(0, 2, 1)).reshape(-1, C)  # [R k, C]: one (row, position) per line
+    flat = (np.argsort(v, axis=1) + (np.arange(len(v)) * C)[:, None]).ravel()  # sorted order, as flat indices
+    s = v.ravel()[flat]
+    start = np.ones(len(s), dtype=bool)  # where a run of equal values begins (every line starts one)
+    start[1:] = s[1:] != s[:-1]
+    start[::C] = True
+    run = np.cumsum(start) - 1
+    mult = np.empty(len(s), dtype=np.int64)
+    mult[flat] = np.bincount(run)[run]  # each value's run length, back in place
+    return np.where(on, mult.reshape(R, k, C).transpose(0, 2, 1), 0).sum(axis=2)
+
+
 class SuffixHistory:
     """A bounded history of finished requests' outputs, per tenant, for suffix-matching drafts (module docstring)."""
 
@@ -211,7 +235,7 @@ class SuffixHistory:
         for j in range(C):  # the chains, walked for every row at once
             pos[:, j] = p
             p = np.where(p >= 0, self.prev[n][p & cap], -1)
-            if (p < 0).all():
+            if j % 4 == 3 and (p < 0).all():  # (checked now and then: the check costs about what a link does)
                 break
         tid = np.asarray(tids, dtype=np.int32)[:, None]
         back = pos[:, :, None] + np.arange(-w, 0)  # [R, C, w] the positions before each candidate
@@ -232,20 +256,19 @@ class SuffixHistory:
         voting = ok & (2 * length >= best_len)  # [R, C]
         ahead = pos[:, :, None] + np.arange(k)  # [R, C, k]
         cont = self._read(ahead)  # nothing past a document's end
-        # path agreement: whether candidate a's continuation agrees with candidate b's through position j, for
-        # every pair, as equal hashes of their prefixes (one comparison per pair and position)
-        prefix = np.empty(cont.shape, dtype=np.int64)  # [R, C, k]
-        h = np.zeros(cont.shape[:2], dtype=np.int64)
+        # path agreement: candidate a's continuation agrees with candidate b's through position j where the hashes
+        # of their prefixes through j are equal
+        # (a sum of each position's token times its own odd 64-bit multiplier, wrapping: one cumulative sum)
         with np.errstate(over="ignore"):
-            for j in range(cont.shape[2]):
-                h = (h ^ cont[:, :, j]) * np.int64(0x100000001B3)
-                prefix[:, :, j] = h
-        agree = (prefix[:, :, None, :] == prefix[:, None, :, :]) & (cont != SEPARATOR)[:, :, None, :]  # [R, C, C, k]
-        both = alive[:, :, None] & alive[:, None, :]
-        score = (agree & both[..., None]).sum(axis=(2, 3))  # [R, C] the path most others share
+            prefix = np.cumsum((cont.astype(np.uint64) + np.uint64(2)) * PATH_MULTIPLIERS[: cont.shape[2]],
+                               axis=2).view(np.int64)  # [R, C, k]
+        held = cont != SEPARATOR  # [R, C, k]
+        score = _shared_paths(prefix, alive[:, :, None] & held)  # [R, C] the path most leading candidates share
         # the row follows the path most leading candidates share (ties: the most recent); votes per position
         lead = np.argmax(np.where(alive, score * C + (C - np.arange(C)), -1), axis=1)
-        mine = agree[np.arange(R), lead] & voting[:, :, None]  # [R, C, k] candidates agreeing with it through j
+        rows = np.arange(R)
+        # [R, C, k] candidates agreeing with it through j
+        mine = (prefix == prefix[rows, lead][:, None, :]) & held[rows, lead][:, None, :] & voting[:, :, None]
         votes = mine.sum(axis=1)
         valid = np.concatenate([voting[:, :, None], mine[:, :, :-1]], axis=2) & (cont != SEPARATOR)
         voters = valid.sum(axis=1)
