@@ -199,7 +199,7 @@ def test_running_rows_draft_from_each_others_output_so_far():
     """Row b asks what row a is answering, a few tokens behind it: b's last tokens anchor in a's output so far
     and it copies on as far as a got (further as a commits); never from itself, never across tenants, nothing
     once a is gone, and nothing left behind in the index."""
-    live = LiveOutputs(anchors=(3,))
+    live = LiveOutputs(anchor=3)
     a, b = [1, 2, 3, 10, 11, 12, 13, 14], [1, 2, 3, 10, 11]
     live.start("a", "t", a, 3)
     live.start("b", "t", b, 3)
@@ -215,7 +215,16 @@ def test_running_rows_draft_from_each_others_output_so_far():
     assert live.match_rows(["b"], 4) == [None]
     for row in ("a", "b", "c"):
         live.stop(row)
-    assert not live.index and not live.rows
+    assert not live.index and not live.rows and live.indexed == 0
+    small = LiveOutputs(anchor=3, capacity=4)  # memory is bounded: positions past the capacity wait for room
+    x, y = [1, 2, 3, 10, 11, 12, 13, 14, 15], [1, 2, 3, 10, 11]
+    small.start("x", "t", x, 3)
+    small.start("y", "t", y, 3)
+    assert small.indexed == 4 and len(small.index) <= 4
+    assert small.match_rows(["y"], 8)[0].tokens == [12, 13, 14, 15]  # found at x's indexed position 5
+    y += [12, 13]
+    small.extend("y")
+    assert small.match_rows(["y"], 8) == [None]  # x's position 8 is past the capacity: not indexed
 
 
 # ---- through the engine ----------------------------------------------------------------------------
