@@ -72,6 +72,9 @@ def test_across_seeds_pairs_each_policy_with_every_fixed_k_seed_by_seed():
     text = markdown({"gpu_type": "g", "target": "t", "draft": "d", "parts": {}, "seeds": {"e": res}},
                     ["fixed:2", "fixed:3", "budget"])
     assert "| (e) 30 requests, best fixed:3 | budget | 0.900x [0.900, 0.900] |" in text
+    # one seed (the command's default): the result holds the count, and there is no across-seeds table
+    one = markdown({"gpu_type": "g", "target": "t", "draft": "d", "parts": {}, "seeds": 1}, ["fixed:2"])
+    assert "Across" not in one
 
 
 def test_bench_history_pairs_the_history_on_and_off_and_copies_repeats_on_the_cost_model(models):

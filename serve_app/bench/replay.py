@@ -276,7 +276,7 @@ def markdown(res: dict, policies: list[str]) -> str:
                          + f" | {x['tokens_per_s']:.0f} | {w['target_forwards']:.0f} | {w['verified_tokens']:.0f} | "
                          f"{w['draft_forward_rows']:.0f} | {w['kv_tokens_attended'] / 1000:.0f}k | {w['accepted_per_drafted']:.2f} |")
         lines.append("")
-    if res.get("seeds"):
+    if isinstance(res.get("seeds"), dict):  # more than one seed: their paired ratios (one seed: its count only)
         first = next(iter(res["seeds"].values()))
         fixed = list(next(iter(first["policies"].values()))["vs_fixed"])
         lines += [f"## Across {first['seeds']} seeds: paired ratio of mean latency (geometric mean over seeds, 95% interval)",
