@@ -266,7 +266,7 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--max-k", type=int, default=8, help="fixed:1 .. fixed:K are compared")
     bp.add_argument("--scale", type=float, default=1.0, help="scales request counts and the schedule's length")
     bp.add_argument("--parts", default="abc", help="which experiments: a uniform, b time-varying, c workload shift, "
-                    "d bursts of mixed requests (chat, JSON, rewrites)")
+                    "d bursts of mixed requests (chat, JSON, rewrites), e long documents between short chat")
     bp.add_argument("--policies", default=None, help="comma-separated policies (default none, fixed:1..K, lut, adaptive, "
                     "budget); ratios need at least one fixed:K")
     bp.add_argument("--repeat", type=int, default=1, help="rounds of every experiment (policies interleaved); medians")
@@ -435,6 +435,9 @@ def _parser() -> argparse.ArgumentParser:
     pf.add_argument("--reps", type=int, default=5, help="steps per (batch size, k) cell; the median is kept")
     pf.add_argument("--prompts", type=int, default=16, help="prompts for the acceptance measurement")
     pf.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt for the acceptance measurement")
+    pf.add_argument("--acceptance-only", action="store_true",
+                    help="keep the latency grid of the profile at --out: measure its acceptance and the draft's "
+                         "confidence curve again (--prompts, --max-tokens) and rewrite its best-k table from them")
     pf.add_argument("--predict", metavar="GPU_TYPE", default=None,
                     help="measure nothing: write a profile marked `source: predicted` for GPU_TYPE from the roofline "
                          "model (serve_app/profiling/roofline.py); needs --acceptance-rate or --acceptance-from")
@@ -1048,8 +1051,8 @@ def _cmd_corpus(args) -> int:
 def _cmd_profile(args) -> int:
     from serve_app.profiling.profiler import plot_profile, run_profile
 
-    if args.predict and args.check_prediction:
-        raise UsageError("--predict and --check-prediction are two different runs: pass one")
+    if sum(map(bool, (args.predict, args.check_prediction, args.acceptance_only))) > 1:
+        raise UsageError("--predict, --check-prediction and --acceptance-only are different runs: pass one")
     if (args.acceptance_rate is not None or args.acceptance_from) and not args.predict:
         raise UsageError("--acceptance-rate / --acceptance-from only go with --predict (a measured profile measures it)")
     if args.context is not None and args.context < 0:
@@ -1084,6 +1087,15 @@ def _cmd_profile(args) -> int:
         plot_profile(profile, path.with_suffix(".png"))
         print(f"PREDICTED profile for {profile.gpu_type} written to {path} (heatmap {path.with_suffix('.png')}); "
               "a measured profile replaces it")
+    elif args.acceptance_only:
+        from serve_app.profiling.profiler import remeasure_acceptance
+
+        mc = ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
+        try:
+            profile, path = remeasure_acceptance(mc, args.out, args.prompts, args.max_tokens)
+        except (ValueError, FileNotFoundError) as e:
+            raise UsageError(str(e)) from None
+        print(f"acceptance of {path} measured again; its latency grid kept (confidence curve {profile.confidence_curve})")
     else:
         mc = ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
         profile, path = run_profile(mc, args.out, sizes, args.max_k, args.reps, args.prompts, args.max_tokens)
@@ -1271,9 +1283,9 @@ def _cmd_bench_policies(args) -> int:
     from serve_app.models import load_models
 
     cs = sorted(set(int_list(args.concurrency, "--concurrency")))
-    if (not cs or cs[0] < 1 or not 1 <= args.max_k <= 8 or args.scale <= 0 or not set(args.parts) <= set("abcd")
+    if (not cs or cs[0] < 1 or not 1 <= args.max_k <= 8 or args.scale <= 0 or not set(args.parts) <= set("abcde")
             or args.repeat < 1):
-        raise UsageError("need concurrencies >= 1, 1 <= --max-k <= 8, --scale > 0, --repeat >= 1 and --parts from a, b, c, d")
+        raise UsageError("need concurrencies >= 1, 1 <= --max-k <= 8, --scale > 0, --repeat >= 1 and --parts from a-e")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
     for p in policies or []:
         if not needs_profile(p):

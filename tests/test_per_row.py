@@ -236,6 +236,115 @@ def test_confidence_curve_starts_at_the_confidence_and_follows_outcomes():
     assert c(0.33) > 0.9 and c(0.05) == pytest.approx(0.05)
 
 
+def test_measured_curve_counts_the_positions_the_target_judged_in_free_text_rows():
+    """Per row, positions 0..accepted are judged (the first rejected one included, none after it); copied and
+    grammar-constrained rows do not count; a bin with no outcome sits at its own confidence."""
+    from serve_app.engine.budget import measured_curve
+
+    rows = RowOutcomes(["a", "b", "c", "d"], [4, 3, 2, 2], [1, 3, 0, 2],
+                       [[0.95, 0.15, 0.15, 0.15], [0.95, 0.95, 0.95], [0.55, 0.55], [0.15, 0.15]],
+                       [False, False, False, True], [False, False, True, False])
+    curve = measured_curve([rows], prior=2.0)
+    # 0.9 bin: a's first (accepted), b's three (accepted) -> 4 of 4; 0.1 bin: a's second (rejected) only
+    assert curve[9] == pytest.approx((4 + 2 * 0.95) / (4 + 2), abs=1e-4)
+    assert curve[1] == pytest.approx((0 + 2 * 0.15) / (1 + 2), abs=1e-4)
+    assert curve[5] == pytest.approx(0.55) and curve[0] == pytest.approx(0.05)  # c constrained, d copied
+    assert measured_curve([]) is None
+
+
+def test_budget_starts_from_the_profiles_confidence_curve():
+    """A profile's measured curve is where budget's model-draft curve starts (free text only; the others at
+    the confidence), and what its first plan carries; served outcomes then move it."""
+    from serve_app.engine.policy import make_policy
+    from serve_app.profiling.profiles import Profile
+
+    measured = [0.2, 0.25, 0.3, 0.4, 0.5, 0.7, 0.75, 0.8, 0.85, 0.9]
+    prof = Profile(gpu_type="cpu-test", target="t", draft="d", best_k={1: 2, 8: 1}, latency=hand_grid(),
+                   acceptance=[0.6, 0.36], acceptance_rate=0.6, confidence_curve=measured)
+    pol = make_policy("budget", prof)
+    assert pol.curve.values() == pytest.approx(measured)
+    assert pol.constrained_curve(0.05) == pytest.approx(0.05) and pol.lookup_curve(0.05) == pytest.approx(0.05)
+    plan = pol.choose(BatchState(8, 6, True, tuple("abcdefgh")))
+    assert plan.curve == pytest.approx(measured) and plan.estimate(0, 0.05) == pytest.approx(0.2)
+    for _ in range(50):
+        pol.curve.add(0.05, False)
+    assert pol.curve(0.05) < 0.05
+    assert make_policy("budget", prof.model_copy(update={"confidence_curve": None})).curve(0.05) == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="confidence_curve needs 10 values"):
+        Profile.model_validate(prof.model_dump() | {"confidence_curve": [0.5] * 9})
+
+
+def test_fixed_plan_drafts_what_fixed_k_drafts_and_reports_the_confidences(tiny_target, drafts, ref20):
+    """`FixedPlan(k)` (profiling's acceptance pass): the same tokens drafted and accepted as `FixedK(k)`, every
+    row k tokens with its confidence per position in the step's row outcomes."""
+    from serve_app.engine.policy import FixedK, FixedPlan
+
+    counts = {}
+    for policy in (FixedK(3), FixedPlan(3)):
+        engine = make_engine(tiny_target, drafts["near"], policy, max_batch_size=4, max_k=6)
+        seen = []
+        engine.on_step.append(seen.append)
+        reqs = [engine.submit(p, SamplingParams(max_tokens=20)) for p in PROMPTS]
+        engine.run(reqs)
+        assert [r.output_ids for r in reqs] == ref20
+        counts[policy.name] = [(st.k, st.proposed, st.accepted_per_position) for st in seen if st.batch_size]
+        if isinstance(policy, FixedPlan):
+            rows = [st.rows for st in seen if st.batch_size]
+            assert all(r is not None and set(r.drafted) == {3} for r in rows)
+            assert all(len(c) == 3 and all(0 < x <= 1 for x in c) for r in rows for c in r.conf)
+    assert counts["fixed:3"] == counts["fixed-plan:3"] and len(counts["fixed:3"]) > 5
+
+
+class AfterPause:
+    """k = 0 for a few steps (the draft falls behind), then `choice` every step."""
+
+    name = "after-pause"
+
+    def __init__(self, choice, pause: int = 4):
+        self.choice, self.pause, self.steps = choice, pause, 0
+
+    def choose(self, state):
+        self.steps += 1
+        if self.steps <= self.pause:
+            return 0
+        return self.choice(state.batch_size) if callable(self.choice) else self.choice
+
+    def observe(self, stats):
+        pass
+
+
+@pytest.mark.parametrize("kind", ["near", "eagle3"])
+def test_a_plan_step_keeps_one_position_of_the_drafts_first_forward(tiny_target, drafts, ref20, kind, monkeypatch):
+    """After steps without speculation the draft feeds its backlog in its first forward. A fixed k scores the
+    backlog there (logits at up to 256 / batch positions per row: `adaptive` learns from it); a per-row plan's
+    step keeps each row's last position only (its policy learns from row outcomes, and a row that copied 16
+    tokens would widen every row's vocabulary-wide logits to 16 positions). Greedy output the same either way."""
+    from serve_app.engine.worker import backlog_window
+
+    assert backlog_window([[1] * 16, [2, 3]], 2) == 16 and backlog_window([[1] * 16, [2, 3]], DraftPlan(caps=[2, 2])) == 1
+    assert backlog_window([[1] * 40] * 2, 2) == 32 and backlog_window([[1] * 40] * 32, 2) == 8
+    worker_cls = type(draft_worker(drafts[kind]))
+    name = "_step" if kind == "eagle3" else "_forward"
+    real, keeps = getattr(worker_cls, name), []
+
+    def spy(self, *args, **kwargs):
+        keeps.append(args[4] if kind == "eagle3" else args[2])
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(worker_cls, name, spy)
+    for choice, first in ((2, 5), (lambda b: DraftPlan(caps=[2] * b), 1)):
+        keeps.clear()
+        engine = make_engine(tiny_target, drafts[kind], AfterPause(choice), max_batch_size=4)
+        seen = []
+        engine.on_step.append(seen.append)
+        reqs = [engine.submit(p, SamplingParams(max_tokens=20)) for p in PROMPTS[:4]]
+        engine.run(reqs)
+        assert [r.output_ids for r in reqs] == ref20[:4]
+        kept = [k for k in keeps if isinstance(k, int)]  # the forwards that keep each row's last `keep` positions
+        assert kept and max(kept) == first, (kind, kept[:8])
+        assert (sum(st.backlog_checked for st in seen) > 0) == (first > 1)
+
+
 def test_budget_serves_losslessly_and_drafts_more_for_rows_that_agree():
     """Sharp tiny models (a confident draft), speculation priced cheap: a draft identical to the target runs
     long, a random one's rows stop early; both lossless."""

@@ -33,6 +33,7 @@ def test_profiling_smoke_writes_a_valid_profile_and_heatmap(tiny_profile):
     assert "PROFILE_PROMPTS" in p.notes and "shuffled" in p.notes
     assert len(p.acceptance) == 3 and sorted(p.acceptance, reverse=True) == p.acceptance
     assert set(p.best_k) == {1, 2, 4} and all(0 <= k <= 3 for k in p.best_k.values())
+    assert len(p.confidence_curve) == 10 and all(0 <= v <= 1 for v in p.confidence_curve)
     png = tiny_profile.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
@@ -125,6 +126,30 @@ def test_profile_driven_policies_speculate_and_keep_greedy_output(tmp_path, tiny
     assert [r["token_ids"] for r in spec] == [r["token_ids"] for r in plain]
 
 
+def test_acceptance_only_measures_acceptance_and_the_curve_again_and_keeps_the_grid(tiny_profile, tiny_model_dirs,
+                                                                                   tmp_path, capsys):
+    """`specserve profile --acceptance-only`: an older profile (no curve, another acceptance) gets this pair's
+    acceptance, rate and confidence curve, the best-k table from its own grid, a note; the grid stays. A predicted
+    profile, or one of another pair, is refused."""
+    before = json.loads(tiny_profile.read_text())
+    old = dict(before, acceptance=[0.9, 0.8, 0.7], acceptance_rate=0.9)
+    del old["confidence_curve"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    pair = ["--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"]]
+    assert main(["profile", "--acceptance-only", *pair, "--prompts", "3", "--max-tokens", "8", "--out", str(path)]) == 0
+    p = load_profile(path)
+    assert p.latency.model_dump() == load_profile(tiny_profile).latency.model_dump()
+    assert p.acceptance == before["acceptance"] and p.acceptance_rate == before["acceptance_rate"]  # same run, same numbers
+    assert p.confidence_curve == before["confidence_curve"] and "--acceptance-only" in p.notes
+    assert path.with_suffix(".png").exists()
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(dict(before, draft="some-other-draft")))
+    assert main(["profile", "--acceptance-only", *pair, "--out", str(other)]) == 2
+    assert "measured with target 'target' and draft 'some-other-draft'" in capsys.readouterr().err
+    assert main(["profile", "--acceptance-only", "--predict", "NVIDIA_L4"]) == 2
+
+
 def test_profile_errors_exit_2(tmp_path, tiny_model_dirs, tiny_profile, capsys):
     from test_cli import GOOD, run
 
@@ -174,6 +199,30 @@ def test_bench_policies_runs_every_experiment(tmp_path, tiny_model_dirs, tiny_pr
                               parts="ac", repeat=2)  # rounds: medians and spreads
     assert again["repeat"] == 2 and "spread" in again["shift"][1]["adaptive"] and "varying" not in again
     assert "Rounds: 2" in (tmp_path / "r2" / "summary.md").read_text()
+
+
+def test_bench_policies_runs_the_long_document_schedule_on_the_wall_clock(tmp_path, tiny_model_dirs, tiny_profile,
+                                                                          monkeypatch):
+    """(e), bench replay's long documents between short chat, runs in `bench policies` too: every policy in
+    rounds, paired ratios, regret, its section and plot. (The tiny models' context is short: documents of a few
+    tokens here; the real schedule's prompts are checked in test_replay.py.)"""
+    from serve_app.bench import policies as bp
+    from serve_app.bench import replay as rp
+    from serve_app.config import ModelConfig
+    from serve_app.models import load_models
+    from serve_app.profiling.profiles import load_profile
+
+    models = load_models(ModelConfig(target=tiny_model_dirs["target"], draft=tiny_model_dirs["draft"]))
+    monkeypatch.setattr(rp, "document", lambda tok, n, offset=0: [3 + offset % 15, 4, 5, 6] * 3)
+    res = bp.bench_policies(models, load_profile(tiny_profile), str(tmp_path / "e"), [1], max_k=2, scale=0.3,
+                            parts="e", repeat=2, policies=["fixed:1", "budget"])
+    long = res["long"]
+    assert long["requests"] == len(rp.long_jobs(models.tokenizer, random.Random(0), 0.3)) > 0
+    assert set(long["kinds"]) == {"chat", "document"} and sum(long["kinds"].values()) == long["requests"]
+    assert set(long["policies"]) == {"fixed:1", "budget"} and "budget" in long["paired"]["policies"] and long["regret"]["budget"]
+    summary = (tmp_path / "e" / "summary.md").read_text()
+    assert "(e) Long documents" in summary and (tmp_path / "e" / "long.png").stat().st_size > 10_000
+    assert main(["bench", "policies", "--parts", "ef"]) == 2
 
 
 def test_time_varying_schedule_swings_and_is_seeded(tiny_model_dirs):
@@ -246,6 +295,10 @@ def test_startup_profile_measures_a_small_grid_on_the_serving_engine_and_leaves_
     assert grid.batch_sizes == [1, 4] and grid.ks == [0, 1, 2, 4] and prof.source == "measured" and prof.machine
     assert all(v > 0 for row in grid.verify_ms for v in row) and all(row[0] < 0.05 <= min(row[1:]) for row in grid.draft_ms)
     assert prof.acceptance == [1.0] * 4 and set(prof.best_k) == {1, 4} and "startup profile" in prof.notes
+    # every judged draft accepted: each bin at or above its own confidence, those with outcomes above it
+    mids = [(i + 0.5) / 10 for i in range(10)]
+    assert all(v >= m - 1e-4 for v, m in zip(prof.confidence_curve, mids))
+    assert any(v > m + 0.05 for v, m in zip(prof.confidence_curve, mids))
     assert engine.policy.name == "fixed:1" and not engine.has_work()
     req = engine.submit([3, 4, 5], SamplingParams(max_tokens=4))
     engine.run([req])

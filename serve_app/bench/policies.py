@@ -261,8 +261,18 @@ def bench_policies(models: LoadedModels, profile: Profile, out_dir: str, concurr
     varying, phases = varying_jobs(tok, rng, scale) if "b" in parts else ([], [])
     shift = shift_jobs(tok, max(4, int(12 * scale))) if "c" in parts else []
     mixed, mixed_phases = mixed_jobs(tok, random.Random(seed + 1), scale) if "d" in parts else ([], [])
+    if "e" in parts:  # bench replay's (e), on the wall clock (its schedule from the same seed as the replay's)
+        from serve_app.bench.replay import LONG_PHASES, long_jobs
+
+        long = long_jobs(tok, random.Random(seed), scale)
+        t, long_phases = 0.0, []
+        for rate, length in LONG_PHASES:
+            long_phases.append((t, t + length * scale, rate))
+            t += length * scale
+    else:
+        long, long_phases = [], []
     shift_policies, shift_cs = [p for p in ["none", *ADAPTIVE_POLICIES] if p in policies], [1, 4]
-    total = repeat * ((sum(len(j) for j in plan.values()) + len(varying) + len(mixed)) * len(policies)
+    total = repeat * ((sum(len(j) for j in plan.values()) + len(varying) + len(mixed) + len(long)) * len(policies)
                       + len(shift) * len(shift_policies) * len(shift_cs))
     warm = [Job(j.prompt, 8) for j in uniform_jobs(tok, 2, random.Random(1), 0.5)[:2]]
     for p in policies:  # warm-up: every policy once, short (first-call allocations, code paths)
@@ -302,6 +312,14 @@ def bench_policies(models: LoadedModels, profile: Profile, out_dir: str, concurr
             if plots:
                 _plot_varying(out / "mixed.png", mixed, mixed_phases, {p: _median_run(rs) for p, rs in runs.items()},
                               "(d) bursts of mixed requests (chat, JSON, rewrites)")
+        if long:
+            runs = rounds("(e)", policies, long, 32, True)
+            results["long"] = {"requests": len(long), "kinds": {k: sum(j.kind == k for j in long) for k in ("chat", "document")},
+                               "phases": long_phases, "policies": _open_loop_rows(runs, long),
+                               "paired": paired_report(runs), "regret": regret_report(runs)}
+            if plots:
+                _plot_varying(out / "long.png", long, long_phases, {p: _median_run(rs) for p, rs in runs.items()},
+                              "(e) long documents (200-3,000 tokens) between short chat")
         if shift:
             half = len(shift) // 2
             results["shift"], shift_runs = {}, {}
@@ -455,7 +473,8 @@ def summary_markdown(res: dict, policies: list[str]) -> str:
         for c, paired in res.get("paired_uniform", {}).items():
             lines += paired_markdown(paired, f"(a) c={c}")
     for key, title in (("varying", "(b) Time-varying traffic (open loop, seeded Poisson arrivals)"),
-                       ("mixed", "(d) Bursts of mixed requests: chat, JSON, rewrites (open loop, seeded)")):
+                       ("mixed", "(d) Bursts of mixed requests: chat, JSON, rewrites (open loop, seeded)"),
+                       ("long", "(e) Long documents between short chat (open loop, seeded; bench replay's (e))")):
         if key in res:
             lines += _open_loop_markdown(res[key], title, policies)
     if "shift" in res:

@@ -18,7 +18,7 @@ import torch
 
 from serve_app.engine.draftplan import DraftPlan
 from serve_app.engine.kv import pack
-from serve_app.engine.worker import Drafting, ModelWorker, Proposal, _backlog_agreement, paged_attention
+from serve_app.engine.worker import Drafting, ModelWorker, Proposal, _backlog_agreement, backlog_window, paged_attention
 
 
 class EagleWorker(ModelWorker):
@@ -101,13 +101,13 @@ class EagleWorker(ModelWorker):
         for s, f, ids in zip(seqs, feats, fed):
             if len(f) != len(ids):  # an invariant of commit/verify; say so plainly if it ever breaks
                 raise RuntimeError(f"draft holds {len(f)} target features for {len(ids)} new positions")
-        window = min(max(len(f) for f in fed), max(2, 256 // len(seqs)), 32)
+        window = backlog_window(fed, k)
         t0 = time.perf_counter()  # the fc over every row's new features in one matmul: model work, timed so
         fused = self.model.fuse(torch.cat(feats).to(self.device))  # [T, H]: packed, like the fed tokens
         self._sync()
         self.timings["forward_s"] += time.perf_counter() - t0
         logits, state, small = self._step(seq_ids, fed, [s.kv_len for s in seqs], fused, window)
-        backlog = self._timed(_backlog_agreement, seqs, fed, logits)
+        backlog = self._timed(_backlog_agreement, seqs, fed, logits) if window > 1 else (0, 0)
         for s, n in zip(seqs, lens):
             s.kv_len, s.extra["features"] = n - 1, []
         rows = drafting.rows  # the rows of the last forward: every one, then those the model still drafts for

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from serve_app.engine.draftplan import CURVE_BINS, DraftPlan
-from serve_app.engine.stats import StepStats
+from serve_app.engine.stats import RowOutcomes, StepStats
 from serve_app.pricing import LatencyGrid, context_bucket, expected_tokens, line
 
 
@@ -133,6 +133,26 @@ class ConfidenceCurve:
         return [h / t for h, t in zip(self.hits, self.trials)]
 
 
+def measured_curve(outcomes: list[RowOutcomes], prior: float = 2.0) -> list[float] | None:
+    """The model draft's acceptance chance per confidence bin over the positions the target judged in these
+    steps' row outcomes (free text only: no copied or grammar-constrained rows), each bin shrunk to its own
+    confidence by `prior` outcomes: what a profile measures for `ConfidenceCurve` to start from. None when no
+    position was judged."""
+    hits, trials = [0.0] * CURVE_BINS, [0.0] * CURVE_BINS
+    for rows in outcomes:
+        conf = rows.conf or [[] for _ in rows.ids]
+        free = [not (c or m) for c, m in zip(rows.lookup or [False] * len(rows.ids),
+                                             rows.constrained or [False] * len(rows.ids))]
+        for n, acc, cs, ok in zip(rows.drafted, rows.accepted, conf, free):
+            for j in range(min(acc + 1, n, len(cs)) if ok else 0):  # the positions the target judged
+                i = ConfidenceCurve.bin(cs[j])
+                hits[i] += j < acc
+                trials[i] += 1
+    if not any(trials):
+        return None
+    return [round((h + prior * (i + 0.5) / CURVE_BINS) / (t + prior), 4) for i, (h, t) in enumerate(zip(hits, trials))]
+
+
 @dataclass
 class RequestRecord:
     """One request's drafts so far: how they fared against what the curve predicted."""
@@ -155,7 +175,10 @@ class Budget:
 
     name = "budget"
 
-    def __init__(self, grid: LatencyGrid, acceptance_rate: float, probe_every: int = 16):
+    def __init__(self, grid: LatencyGrid, acceptance_rate: float, probe_every: int = 16,
+                 curve: list[float] | None = None):
+        """`curve`: the model draft's acceptance per confidence bin measured at profiling
+        (`Profile.confidence_curve`), where its free-text curve starts; None: at the confidence itself."""
         self.grid, self.probe_every = grid, probe_every
         self.a, self.a_trials = acceptance_rate * 128.0, 128.0  # per-token acceptance (metrics, worth_it)
         # acceptance per draft position given every earlier one was accepted (the step's worth): a geometric a
@@ -166,7 +189,7 @@ class Budget:
         self.pos_hits, self.pos_trials = [0.0] * depth, [0.0] * depth
         # one curve per (source, constrained): model drafts of free text, model drafts under a grammar's mask
         # (confidence ~1 on forced tokens), tokens copied by prompt lookup (confidence: the copy record's estimate)
-        self.curve = ConfidenceCurve()
+        self.curve = ConfidenceCurve(start=curve)
         self.constrained_curve = ConfidenceCurve()
         self.lookup_curve = ConfidenceCurve()
         self.history_curve = ConfidenceCurve()  # tokens copied from the suffix history (confidence: its estimate)

@@ -81,6 +81,20 @@ class FixedK:
         pass
 
 
+class FixedPlan(FixedK):
+    """fixed:k drafted as a per-row plan that prices nothing (every row drafts k tokens): the proposals of
+    `FixedK`, with the draft's confidence at each position in the step's row outcomes (`StepStats.rows`), from
+    which profiling measures the confidence curve `budget` starts from."""
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self.name = f"fixed-plan:{k}"
+
+    def choose(self, state: BatchState) -> int | DraftPlan:
+        k = super().choose(state)
+        return DraftPlan(caps=[k] * state.batch_size, model_depth=k) if k else 0
+
+
 class LookupTable:
     """The paper's policy: k = best_k[batch size] from the hardware's profile.
 
@@ -238,7 +252,7 @@ def make_policy(spec: str, profile=None) -> Policy:
         if spec == "budget":
             from serve_app.engine.budget import Budget
 
-            return Budget(profile.latency, profile.acceptance_rate)
+            return Budget(profile.latency, profile.acceptance_rate, curve=profile.confidence_curve)
         return Adaptive(profile.latency, profile.acceptance_rate)
     name, _, arg = spec.partition(":")
     if name == "fixed":

@@ -330,16 +330,15 @@ class ModelWorker:
         fed = [s.tokens[s.kv_len :] for s in seqs]
         drafting = Drafting(self, seqs, k, lens)
         backlog = (0, 0)
-        # After steps without speculation the draft has a backlog of committed tokens to feed; scoring
-        # the last few (about 256 over the batch) costs little and shows how well it would have done.
-        window = min(max(len(f) for f in fed), max(2, 256 // len(seqs)), 32)
+        window = backlog_window(fed, k)
         forwards = [0] * len(seqs)  # per row: the forwards that fed it
         j = 0
         while drafting.more:
             rows = drafting.rows
             if j == 0:  # every row: each feeds its pending tokens
                 logits = self._forward(seq_ids, fed, window, starts=[n - len(f) for n, f in zip(lens, fed)])
-                backlog = self._timed(_backlog_agreement, seqs, fed, logits)
+                if window > 1:
+                    backlog = self._timed(_backlog_agreement, seqs, fed, logits)
             else:  # the rows the model still drafts for, each its last drafted token
                 logits = self._forward([seq_ids[b] for b in rows], [[tok[b]] for b in rows], 1,
                                        starts=[lens[b] + j - 1 for b in rows])
@@ -772,6 +771,18 @@ def confidence(logits: torch.Tensor, top: torch.Tensor | None = None) -> list[fl
     if top is None:
         top = logits.max(dim=-1).values
     return (top.float() - torch.logsumexp(logits.float(), dim=-1)).exp().tolist()
+
+
+def backlog_window(fed: list[list[int]], k: int | DraftPlan) -> int:
+    """Fed positions per row whose logits the draft's first forward keeps. After steps without speculation the
+    draft has a backlog of committed tokens to feed; scoring the last few (about 256 over the batch) costs little
+    and shows how well it would have done (`_backlog_agreement`, which `adaptive` learns from). A per-row plan's
+    step keeps only the last: its policy learns from the rows' outcomes, and a row that copied 16 tokens would
+    otherwise widen every row's logits to 16 positions (at batch 16, 256 rows of a vocabulary-wide head for the
+    16 the step drafts from)."""
+    if isinstance(k, DraftPlan):
+        return 1
+    return min(max(len(f) for f in fed), max(2, 256 // len(fed)), 32)
 
 
 def _backlog_agreement(seqs: list[Sequence], fed: list[list[int]], logits: torch.Tensor) -> tuple[int, int]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import random
 import socket
+from datetime import datetime, timezone
 import statistics
 from pathlib import Path
 
@@ -29,11 +30,12 @@ from tqdm import tqdm
 
 from serve_app.config import EngineConfig, ModelConfig, SamplingParams
 from serve_app.models import LoadedModels, load_models, model_names, resolve_dtype
-from serve_app.engine.policy import FixedK
+from serve_app.engine.budget import measured_curve
+from serve_app.engine.policy import FixedK, FixedPlan
 from serve_app.bench.prompt_sets import PROFILE_PROMPTS, chat_prompts
 from serve_app.hardware import detect_gpu_type
 from serve_app.pricing import LatencyGrid, best_k_table, ms_per_token
-from serve_app.profiling.profiles import Profile, fit_acceptance_rate, save_profile
+from serve_app.profiling.profiles import Profile, fit_acceptance_rate, load_profile, save_profile
 from serve_app.engine.scheduler import Engine
 from serve_app.engine.stats import StepStats
 
@@ -187,13 +189,15 @@ def measure_chunk_prefill(models: LoadedModels, prompts: list[list[int]], batch:
     return fixed, per_token, min(draft_fixed, fixed), min(draft_per_token, per_token), short
 
 
-def measure_acceptance(models: LoadedModels, k: int, num_prompts: int, max_tokens: int, bar: tqdm) -> list[float]:
-    """acceptance[i] = share of (sequence, step) pairs at fixed k where draft token i was accepted."""
+def measure_acceptance(models: LoadedModels, k: int, num_prompts: int, max_tokens: int,
+                       bar: tqdm) -> tuple[list[float], list[float] | None]:
+    """acceptance[i] = share of (sequence, step) pairs at fixed k where draft token i was accepted; and the
+    draft's acceptance per confidence bin over the same steps (`budget.measured_curve`)."""
     batch = min(8, num_prompts)
     prompts = chat_prompts(models.tokenizer, PROFILE_PROMPTS, num_prompts)
     engine = _engine(models, batch, k, max(len(p) for p in prompts) + max_tokens + k + 1, max(BUDGET, batch * (k + 1)))
-    engine.policy = FixedK(k)
-    accepted, seqs = [0] * k, 0
+    engine.policy = FixedPlan(k)  # fixed k, the draft's confidences recorded
+    accepted, seqs, outcomes = [0] * k, 0, []
 
     def count(st: StepStats) -> None:
         nonlocal seqs
@@ -201,13 +205,15 @@ def measure_acceptance(models: LoadedModels, k: int, num_prompts: int, max_token
             seqs += st.batch_size
             for i, n in enumerate(st.accepted_per_position):
                 accepted[i] += n
+            if st.rows is not None:
+                outcomes.append(st.rows)
 
     engine.on_step.append(count)
     params = SamplingParams(max_tokens=max_tokens)
     for start in range(0, len(prompts), batch):
         engine.run([engine.submit(p, params) for p in prompts[start:start + batch]])
         bar.update(len(prompts[start:start + batch]))
-    return [round(a / seqs, 4) for a in accepted] if seqs else [0.0] * k
+    return ([round(a / seqs, 4) for a in accepted] if seqs else [0.0] * k), measured_curve(outcomes)
 
 
 def run_profile(mc: ModelConfig, out: str | None, batch_sizes: list[int], max_k: int, reps: int,
@@ -224,6 +230,37 @@ def run_profile(mc: ModelConfig, out: str | None, batch_sizes: list[int], max_k:
     return profile, out_path
 
 
+def remeasure_acceptance(mc: ModelConfig, path: str | None, num_prompts: int, max_tokens: int) -> tuple[Profile, Path]:
+    """`specserve profile --acceptance-only`: an existing measured profile's acceptance side measured again on
+    its own pair and dtype (per position at its k, the fitted rate, the confidence curve, and the best-k table
+    from its latency grid, which stays as measured). For a profile from before the confidence curve, or a pair
+    whose acceptance moved (a retrained draft of the same shape), without timing the grid again."""
+    out_path = Path(path or f"profiles/{detect_gpu_type()}.json")
+    profile = load_profile(out_path)
+    if profile.source != "measured" or not profile.acceptance:
+        raise ValueError(f"{out_path} is not a measured profile with acceptance: measure it whole (`specserve profile`)")
+    models = load_models(mc)
+    if models.draft is None:
+        raise ValueError("measuring acceptance needs a draft model (--draft)")
+    target, draft = model_names(mc)
+    profile.check_pair(target, draft, resolve_dtype(mc.dtype, mc.device))
+    k = len(profile.acceptance)
+    torch.manual_seed(0)
+    with tqdm(total=num_prompts, desc=f"acceptance {profile.gpu_type}", unit="prompt") as bar:
+        acceptance, curve = measure_acceptance(models, k, num_prompts, max_tokens, bar)
+    note = (f"; acceptance and confidence curve measured again by `specserve profile --acceptance-only` on "
+            f"{socket.gethostname()} at {datetime.now(timezone.utc).isoformat(timespec='seconds')}: k={k} over "
+            f"{num_prompts} PROFILE_PROMPTS x {max_tokens} tokens")
+    profile = profile.model_copy(update={
+        "acceptance": acceptance, "acceptance_rate": round(fit_acceptance_rate(acceptance), 4),
+        "confidence_curve": curve, "notes": profile.notes + note,
+        "best_k": best_k_table(profile.latency, acceptance) if profile.latency is not None else profile.best_k})
+    profile = Profile.model_validate(profile.model_dump())
+    save_profile(profile, out_path)
+    plot_profile(profile, out_path.with_suffix(".png"))
+    return profile, out_path
+
+
 def measure_profile(models: LoadedModels, target: str, draft: str, dtype: str, device: str, batch_sizes: list[int],
                     max_k: int, reps: int, num_prompts: int, max_tokens: int) -> Profile:
     """This machine's profile of a loaded pair (named target / draft): latency grid, acceptance, best-k table."""
@@ -233,9 +270,10 @@ def measure_profile(models: LoadedModels, target: str, draft: str, dtype: str, d
     total = len(batch_sizes) * ((reps + 1) * len(ks) + 1) + num_prompts
     with tqdm(total=total, desc=f"profile {gpu_type}", unit="cell") as bar:
         grid = measure_latency(models, batch_sizes, ks, reps, bar)
-        acceptance = measure_acceptance(models, max_k, num_prompts, max_tokens, bar)
+        acceptance, curve = measure_acceptance(models, max_k, num_prompts, max_tokens, bar)
     return Profile(
         gpu_type=gpu_type, target=target, draft=draft, dtype=dtype, latency=grid, acceptance=acceptance,
+        confidence_curve=curve,
         acceptance_rate=round(fit_acceptance_rate(acceptance), 4), best_k=best_k_table(grid, acceptance),
         machine=socket.gethostname(),
         notes=(f"specserve profile: greedy; latency: {reps} rounds after a warm-up round, fresh requests each round "

@@ -16,6 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from serve_app.engine.draftplan import CURVE_BINS
 from serve_app.pricing import LatencyGrid
 
 
@@ -76,6 +77,10 @@ class Profile(BaseModel):
     """acceptance[i]: fraction of steps in which draft token i (0-based) was accepted, at k = len(acceptance)."""
     acceptance_rate: float | None = Field(None, ge=0, le=1)
     """Per-token acceptance a of the goodput model fitted to `acceptance` (adaptive's starting estimate)."""
+    confidence_curve: list[float] | None = None
+    """The draft model's acceptance chance per confidence bin (tenths of its top probability) over the
+    positions the target judged while `acceptance` was measured: where `budget`'s curve starts before the
+    served traffic teaches it (None, as in profiles from before this field: at the confidence itself)."""
     notes: str = ""
     """How it was measured (prompt set, repetitions, machine), free text."""
     source: Literal["measured", "predicted", "calibrated"] = "measured"
@@ -105,6 +110,9 @@ class Profile(BaseModel):
                 raise ValueError(f"best_k lacks batch sizes {missing} that the latency grid measured")
         if self.acceptance is not None and any(not 0 <= a <= 1 for a in self.acceptance):
             raise ValueError("acceptance values must lie in [0, 1]")
+        if self.confidence_curve is not None and (len(self.confidence_curve) != CURVE_BINS
+                                                  or any(not 0 <= a <= 1 for a in self.confidence_curve)):
+            raise ValueError(f"confidence_curve needs {CURVE_BINS} values in [0, 1] (one per tenth of confidence)")
         if (self.source == "predicted") != (self.prediction is not None):
             raise ValueError("a predicted profile needs `prediction` (how it was made); a measured one has none")
         if self.source == "calibrated" and self.latency is None:

@@ -18,7 +18,8 @@ import time
 
 from serve_app.bench.prompt_sets import PROFILE_PROMPTS, chat_prompts
 from serve_app.config import SamplingParams
-from serve_app.engine.policy import FixedK
+from serve_app.engine.budget import measured_curve
+from serve_app.engine.policy import FixedK, FixedPlan
 from serve_app.pricing import ContextGrid, LatencyGrid, best_k_table
 from serve_app.profiling.profiles import Profile, fit_acceptance_rate
 
@@ -84,7 +85,7 @@ def short_profile(engine, gpu_type: str, target: str, draft: str, dtype: str, ro
     engine.on_step.append(seen.append)
     policy = engine.policy
     parts = {"draft_ms": [], "verify_ms": [], "other_ms": []}
-    accepted, rows, contexts = [0] * max(ks), 0, []
+    accepted, rows, contexts, outcomes = [0] * max(ks), 0, [], []
     try:
         for b in sizes:
             samples = {k: [] for k in ks}
@@ -95,7 +96,8 @@ def short_profile(engine, gpu_type: str, target: str, draft: str, dtype: str, ro
                 while any(q.stats.generated_tokens == 0 for q in reqs):  # prefill (in chunks)
                     engine.step()
                 for k in ks:  # two steps per k: the first pays for switching, the second is the cell
-                    engine.policy = FixedK(k)
+                    # the acceptance cell (largest k) records the draft's confidences: the curve budget starts from
+                    engine.policy = FixedPlan(k) if k == max(ks) else FixedK(k)
                     engine.step()
                     engine.step()
                     if r:
@@ -110,6 +112,8 @@ def short_profile(engine, gpu_type: str, target: str, draft: str, dtype: str, ro
                 rows += st.batch_size
                 for j, n in enumerate(st.accepted_per_position):
                     accepted[j] += n
+                if st.rows is not None:
+                    outcomes.append(st.rows)
         context = _long_context_pass(engine, sizes, ks, prompts, parts, round(statistics.fmean(contexts)), seen)
     finally:
         engine.on_step.remove(seen.append)
@@ -119,6 +123,7 @@ def short_profile(engine, gpu_type: str, target: str, draft: str, dtype: str, ro
     acceptance = [round(a / rows, 4) for a in accepted]
     seconds = time.perf_counter() - t0
     return Profile(gpu_type=gpu_type, target=target, draft=draft, dtype=dtype, latency=grid, acceptance=acceptance,
+                   confidence_curve=measured_curve(outcomes),
                    acceptance_rate=round(fit_acceptance_rate(acceptance), 4), best_k=best_k_table(grid, acceptance),
                    machine=socket.gethostname(),
                    notes=f"startup profile: measured in {seconds:.1f} s on the serving engine before it served; batch "
