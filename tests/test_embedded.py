@@ -99,9 +99,10 @@ def test_embedded_loads_from_a_converted_copy_identical_to_the_gguf(tmp_path, mo
         assert torch.equal(copy(torch.tensor([ids])).logits, direct(torch.tensor([ids])).logits)
 
 
+@pytest.mark.slow  # ~25 s (the .gguf read directly); CI runs it with the slow tier, beside the check above
 def test_the_converted_copy_scores_a_few_tokens_as_the_gguf_does():
-    """The default tier's form of the check above: the copy every embedded test reads (converted once into the
-    cache) against the .gguf itself, on the logits of a few tokens; the slow test converts afresh."""
+    """The cached copy every embedded test reads (converted once) against the .gguf itself, on the logits of a
+    few tokens; the test above converts afresh."""
     from serve_app.models import _from_pretrained, embedded_source
 
     direct, tok = _from_pretrained(str(embedded_gguf()), "float32", "cpu", "model")
