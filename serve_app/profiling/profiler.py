@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import random
 import socket
-from datetime import datetime, timezone
 import statistics
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
