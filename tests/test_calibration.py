@@ -235,5 +235,24 @@ def test_calibrated_policies_visit_a_neighbouring_k_now_and_then_so_slopes_are_m
         for _ in range(400):
             pol.observe(step(steep, 2, pol.choose(BatchState(2, 8))))
         assert pol.inner.best_k[2] == got
+    # a batch size where the profile says k = 0 (32 here) is explored too: on a machine whose plain step runs 3x the
+    # profile's and a speculating one 2x, the k = 0 column alone would price every k at 3x and keep k = 0
+    assert make_policy("lut", profile(GRID)).best_k[32] == 0
+    plain_slow = GRID.model_copy(update={"verify_ms": [[v * (3.0 if j == 0 else 2.0) for j, v in enumerate(row)]
+                                                       for row in GRID.verify_ms]})
+    assert best_k_table(plain_slow, ACCEPTANCE)[32] >= 1
+    for explore, at_least in ((8, 1), (0, 0)):
+        pol = Calibrated(make_policy("lut", profile(GRID)), profile(GRID), explore_every=explore)
+        pol.live = None
+        for _ in range(400):
+            pol.observe(step(plain_slow, 32, pol.choose(BatchState(32, 8))))
+        assert pol.inner.best_k[32] >= at_least and (explore or pol.inner.best_k[32] == 0)
+    assert Calibrated(make_policy("lut", profile(GRID)), profile(GRID), explore_every=1).choose(
+        BatchState(32, 8, has_draft=False)) == 0
+    # a one-k plan (rows copying past lut's k) explores by its model rows' depth
+    pol = calibrated(make_policy("lut", profile(GRID)), profile(GRID))
+    plans = [pol.choose(BatchState(2, 8, max_copy=16, copies=True)) for _ in range(16)]
+    assert [p.model_depth for p in plans].count(k) == 14 and {p.model_depth for p in plans} == {k, k + 1, k - 1}
+    assert all(p.caps == [16, 16] for p in plans)
     # a plan (budget) or k = 0 passes through untouched
     assert calibrated(make_policy("none"), profile(GRID)).choose(BatchState(2, 8)) == 0

@@ -14,7 +14,7 @@ from serve_app.drafting.eagle3 import Eagle3Draft
 from serve_app.drafting.ngram import NgramDraft
 from serve_app.engine.budget import Budget, ConfidenceCurve, prices
 from serve_app.engine.draftplan import DraftPlan, PlanWalk
-from serve_app.engine.policy import BatchState, fit_choice
+from serve_app.engine.policy import AcceptanceEstimate, Adaptive, BatchState, LookupTable, fit_choice
 from serve_app.engine.sampling import Warp, noise_key, verify_walk
 from serve_app.engine.scheduler import Engine
 from serve_app.engine.stats import RowOutcomes, StepStats
@@ -38,7 +38,8 @@ class RandomPlans:
         r = self.rng
         return DraftPlan(caps=[r.choice([0, 1, 2, 3, 5, 7]) for _ in range(state.batch_size)],
                          token_value=r.choice([0.0, 0.0, 0.05, 0.3]), forward_value=r.choice([0.0, 0.2]),
-                         max_tokens=r.choice([None, None, 3]))
+                         max_tokens=r.choice([None, None, 3]), copy_value=r.choice([None, None, 0.0, 0.5]),
+                         model_depth=r.choice([None, None, 1, 2]))
 
     def observe(self, stats):
         if stats.rows is not None:
@@ -438,3 +439,64 @@ def test_seeded_text_holds_when_rows_copy(tiny_target, drafts, kind):
     alone = [_seeded(make_engine(tiny_target, None, Fixed(0)), [p], [s])[0] for p, s in zip(REPEATS, seeds)]
     copying = _seeded(lookup_engine(tiny_target, drafts[kind], RandomPlans(3), max_batch_size=3), REPEATS, seeds)
     assert copying == alone
+
+
+# ---- one-k policies (lut, adaptive): rows copying from their context go on past k -------------------------
+def test_a_copy_value_prices_copied_tokens_only():
+    # token_value 0: the model rows keep k tokens whatever the draft's confidence; the copying row stops once
+    # its tokens' joint chance falls under copy_value
+    walk = PlanWalk(DraftPlan(caps=[8, 8], model_depth=2, copy_value=0.5))
+    for j, c in enumerate([0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9]):
+        walk.position(j, [0.01, c], [False, True])
+    assert walk.lengths == [2, 6]  # 0.9^6 = 0.53 >= 0.5 > 0.9^7
+
+
+def test_lut_and_adaptive_let_copying_rows_go_on_past_their_k():
+    grid = hand_grid()
+    acceptance = [0.6, 0.3, 0.1, 0.05]
+    state = BatchState(8, 6, True, tuple("abcdefgh"), max_copy=16, copies=True)
+    lut = LookupTable({1: 3, 8: 2}, grid, acceptance)
+    plan = lut.choose(state)
+    assert isinstance(plan, DraftPlan) and plan.model_depth == 2 and plan.caps == [16] * 8
+    assert plan.token_value == 0 and plan.forward_value == 0
+    rate = 8 * (1 + 0.6 + 0.3) / grid.step_ms(8)[2]
+    assert plan.copy_value == pytest.approx(rate * prices(grid, 8, None, 3).token_ms)
+    # no row can copy (no prompt lookup), or the engine copies no further than k: plain k, as before
+    assert lut.choose(BatchState(8, 6, True, tuple("abcdefgh"), max_copy=16)) == 2
+    assert lut.choose(BatchState(8, 6, True, tuple("abcdefgh"), max_copy=2, copies=True)) == 2
+    assert LookupTable({8: 2}).choose(state) == 2  # a table without a grid prices nothing
+    ada = Adaptive(grid, 0.6, probe_every=0)
+    plan = ada.choose(state)
+    g = ada.goodput(8, 6)
+    assert plan.model_depth == grid.ks[g.index(max(g))] and plan.copy_value == pytest.approx(
+        max(g) * prices(grid, 8, None, plan.model_depth + 1).token_ms)
+    # a probe stays a plain k: its step scores the draft's backlog
+    probe = Adaptive(grid, 0.0, probe_every=1)
+    assert probe.choose(state) == 1
+
+
+def test_acceptance_estimate_counts_the_model_drafts_of_a_plan_step_not_copies():
+    est = AcceptanceEstimate(0.5, half_life=8)  # 4 successes in 8 trials to start
+    # rows a, b drafted by the model (1 of 3, 0 of 2 accepted); row c copied 12 of 12
+    est.observe(StepStats(batch_size=3, k=12, proposed=17, accepted=13,
+                          rows=RowOutcomes(list("abc"), [3, 2, 12], [1, 0, 12], None, [False, False, True])))
+    # 1 success in 3 trials, the older ones faded by 3 outcomes' worth: the copies' 12 would have pulled it up
+    fade = 0.5 ** (3 / 8)
+    assert est.accepted == pytest.approx(4 * fade + 1) and est.trials == pytest.approx(8 * fade + 3)
+    assert est.value < 0.5
+
+
+@pytest.mark.parametrize("kind", ["near", "eagle3"])
+def test_greedy_identical_when_lut_lets_copying_rows_go_on(tiny_target, drafts, kind):
+    ref = reference(tiny_target, REPEATS, 20)
+    engine = lookup_engine(tiny_target, drafts[kind], LookupTable({1: 1, 8: 1}, hand_grid(on=0.0, scale=0.1),
+                                                                  [0.5, 0.2]), max_batch_size=4)
+    rows = []
+    engine.on_step.append(lambda st: st.rows and rows.append(st.rows))
+    reqs = [engine.submit(p, SamplingParams(max_tokens=20)) for p in REPEATS]
+    engine.run(reqs)
+    assert [r.output_ids for r in reqs] == ref
+    model = [n for r in rows for n, c in zip(r.drafted, r.lookup or [False] * len(r.ids)) if not c]
+    copied = [n for r in rows for n, c in zip(r.drafted, r.lookup or [False] * len(r.ids)) if c]
+    assert model and max(model) <= 1  # the model drafts lut's k
+    assert copied and max(copied) > 1  # copies went past it

@@ -71,6 +71,10 @@ class DraftPlan:
     history_curve: list[float] | None = None
     """The curve for tokens copied from the suffix history (`engine.history`; confidence: the match's estimate
     per token, `history.history_estimate`); None: the lookup curve."""
+    copy_value: float | None = None
+    """A copied token (prompt lookup, the suffix history) stays in the proposal while its value is at least this;
+    None: token_value. A one-k policy (lut, adaptive) drafts its k from the model whatever the draft's confidence
+    (token_value 0, model_depth k) and prices only the copied tokens past k (`policy.copies_past`)."""
 
     @property
     def k(self) -> int:
@@ -117,9 +121,11 @@ class PlanWalk:
         for b, on in enumerate(self.active):
             if not on:
                 continue
-            e = p.estimate(b, conf[b], bool(lookup and lookup[b]), bool(history and history[b]))
+            copying = bool(lookup and lookup[b])
+            e = p.estimate(b, conf[b], copying, bool(history and history[b]))
             v = self.value[b] * e
-            if (v >= p.token_value or (p.explore and j == 0)) and j < p.caps[b]:
+            bar = p.copy_value if copying and p.copy_value is not None else p.token_value
+            if (v >= bar or (p.explore and j == 0)) and j < p.caps[b]:
                 cand.append((v, b, e))
             else:
                 self.active[b] = False

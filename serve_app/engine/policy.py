@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from serve_app.pricing import LatencyGrid, best_k_table, context_bucket, expected_tokens
+from serve_app.engine.budget import prices
 from serve_app.engine.draftplan import DraftPlan
 from serve_app.engine.stats import StepStats
 
@@ -38,6 +39,9 @@ class BatchState:
     max_copy: int = 0
     """Upper bound on a copying row's drafted tokens under a plan (`EngineConfig.max_copy_tokens`); below max_k:
     max_k."""
+    copies: bool = False
+    """The draft's rows may copy from their own context (a model draft with prompt lookup): a one-k policy lets
+    them go on past its k (`copies_past`)."""
 
     def context_for(self, grid: LatencyGrid | None) -> float | None:
         """The context this step is priced at under `grid`'s context axis (rows' mean or longest, by the
@@ -95,11 +99,32 @@ class FixedPlan(FixedK):
         return DraftPlan(caps=[k] * state.batch_size, model_depth=k) if k else 0
 
 
+def copies_past(k: int, state: BatchState, copy_value: float) -> int | DraftPlan:
+    """A one-k policy's k as a plan where rows may copy past it: the draft model drafts k tokens for every row,
+    as at fixed k, and a row copying from its own context (prompt lookup; the suffix history) goes on to
+    `max_copy` while each copied token's chance of acceptance, with every one before it, is worth
+    `copy_value` expected tokens (its verification's price). A copy runs no draft forward, so past k it costs
+    verification only: a rewrite's row drafts 12 where chat rows draft 2. Plain k where no row can copy."""
+    if k <= 0 or not state.copies or state.max_copy <= k:
+        return k
+    return DraftPlan(caps=[state.max_copy] * state.batch_size, model_depth=k, copy_value=copy_value)
+
+
+def token_ms(grid: LatencyGrid, batch_size: int, k: int, context: float | None, cache: dict) -> float:
+    """Verifying one more drafted token at this batch size, where a step drafts about k (`budget.prices`'
+    slope through k + 1), cached by (batch size, context bucket, k)."""
+    key = (batch_size, context_bucket(context), k)
+    if key not in cache:
+        cache[key] = prices(grid, batch_size, key[1], k + 1).token_ms
+    return cache[key]
+
+
 class LookupTable:
     """The paper's policy: k = best_k[batch size] from the hardware's profile.
 
     Between profiled batch sizes the nearest one is used (the smaller on a tie); beyond the ends,
-    the end values.
+    the end values. With a latency grid, rows that copy from their context may go on past k, each copied
+    token priced by the grid (`copies_past`).
     """
 
     name = "lut"
@@ -112,7 +137,9 @@ class LookupTable:
         # with a context axis the table gains one: the best k per batch size at the live context, from the grid
         self.latency = latency if latency is not None and latency.context is not None and acceptance else None
         self.acceptance = acceptance
+        self.copy_grid = latency if latency is not None and acceptance else None  # prices copies past k
         self._tables: dict[int, dict[int, int]] = {}  # context bucket -> best k per profiled batch size
+        self._token_ms: dict[tuple, float] = {}
 
     def table(self, context: float | None) -> dict[int, int]:
         """The best-k table at a context (the profile's own table without a context axis)."""
@@ -126,8 +153,10 @@ class LookupTable:
     def reprice(self, latency: LatencyGrid, acceptance: list[float]) -> None:
         """A calibrated grid and the live acceptance: the table (and its context tables) again."""
         self.best_k.update(best_k_table(latency, acceptance))
+        self.copy_grid, self.acceptance = latency, acceptance
+        self._token_ms.clear()
         if self.latency is not None:
-            self.latency, self.acceptance = latency, acceptance
+            self.latency = latency
             self._tables.clear()
 
     def choose(self, state: BatchState) -> int:
@@ -136,7 +165,16 @@ class LookupTable:
         b = state.batch_size
         nearest = min(self.sizes, key=lambda s: (abs(s - b), s))
         table = self.table(state.context_for(self.latency))
-        return min(table.get(nearest, self.best_k[nearest]), state.max_k)
+        k = min(table.get(nearest, self.best_k[nearest]), state.max_k)
+        if k <= 0 or not state.copies or self.copy_grid is None:
+            return k
+        # what a step at k is worth: its rows' expected tokens (the profile's acceptance per position) per ms
+        grid, context = self.copy_grid, state.context_for(self.copy_grid)
+        ms = dict(zip(grid.ks, grid.step_ms(b, context_bucket(context)))).get(k)
+        if not ms:
+            return k
+        rate = b * (1 + sum(self.acceptance[:k])) / ms
+        return copies_past(k, state, rate * token_ms(grid, b, k, context, self._token_ms))
 
     def observe(self, stats: StepStats) -> None:
         pass
@@ -165,9 +203,17 @@ class AcceptanceEstimate:
     def observe(self, stats: StepStats) -> None:
         if not stats.k or not stats.batch_size:
             return
-        stops = stats.batch_size - stats.accepted_per_position[stats.k - 1]
-        successes = stats.accepted + stats.backlog_matched
-        n = stats.accepted + stops + stats.backlog_checked
+        if stats.rows is not None:  # a plan's step: rows drafted different lengths, and copies are not the draft's
+            r = stats.rows
+            model = [(d, a) for d, a, c in zip(r.drafted, r.accepted, r.lookup or [False] * len(r.ids)) if d and not c]
+            successes = sum(a for _, a in model) + stats.backlog_matched
+            n = sum(a + (a < d) for d, a in model) + stats.backlog_checked
+            if not n:
+                return
+        else:
+            stops = stats.batch_size - stats.accepted_per_position[stats.k - 1]
+            successes = stats.accepted + stats.backlog_matched
+            n = stats.accepted + stops + stats.backlog_checked
         decay = 0.5 ** (n / self.half_life)
         self.accepted = decay * self.accepted + successes
         self.trials = decay * self.trials + n
@@ -193,6 +239,7 @@ class Adaptive:
         self.grid, self.probe_every = grid, probe_every
         self.estimate = AcceptanceEstimate(acceptance_rate, half_life)
         self._step_ms: dict[tuple, list[float]] = {}  # (batch size, context bucket) -> step latency per k (cache)
+        self._token_ms: dict[tuple, float] = {}
         self._since_probe = 0
 
     @property
@@ -208,29 +255,40 @@ class Adaptive:
         a = self.acceptance_estimate
         return [batch_size * expected_tokens(a, k) / ms[j] for j, k in enumerate(self.grid.ks) if k <= max_k]
 
-    def choose(self, state: BatchState) -> int:
+    def choose(self, state: BatchState) -> int | DraftPlan:
         if not state.has_draft:
             return 0
-        g = self.goodput(state.batch_size, state.max_k, state.context_for(self.grid))
-        k = self.grid.ks[max(range(len(g)), key=lambda j: (g[j], -j))]  # ties: the smaller k
+        context = state.context_for(self.grid)
+        g = self.goodput(state.batch_size, state.max_k, context)
+        j = max(range(len(g)), key=lambda j: (g[j], -j))  # ties: the smaller k
+        k = self.grid.ks[j]
         if k == 0 and self.probe_every and state.max_k > 0:
             self._since_probe += 1
             if self._since_probe >= self.probe_every:
                 self._since_probe = 0
-                return 1
-        return k
+                return 1  # a plain k: the probe's step scores the draft's backlog (a plan's keeps one position)
+        if k <= 0 or not state.copies:
+            return k
+        return copies_past(k, state, g[j] * token_ms(self.grid, state.batch_size, k, context, self._token_ms))
 
     def observe(self, stats: StepStats) -> None:
         if stats.k:
             self._since_probe = 0
             self.estimate.observe(stats)
 
+    def refresh(self, grid: LatencyGrid) -> None:
+        """A calibrated grid (`calibration.Calibrated`): goodput and copy prices from it."""
+        self.grid = grid
+        self._step_ms.clear()
+        self._token_ms.clear()
+
 
 POLICY_FORMS = "none | fixed:K | lut | adaptive | budget"
 PROFILE_POLICIES = ("lut", "adaptive", "budget")
-PER_ROW_POLICIES = ("budget",)
-"""Policies that choose a length per row (a DraftPlan), which the one-k simulators do not model."""
 """Policies that steer by a profile of the hardware type."""
+PER_ROW_POLICIES = ("budget",)
+"""Policies that choose a length per row (a DraftPlan), which the one-k simulators do not model (lut's and
+adaptive's copies past k, `copies_past`, they do not model either: they simulate those policies' k)."""
 
 
 def make_policy(spec: str, profile=None) -> Policy:

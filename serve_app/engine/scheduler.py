@@ -172,6 +172,8 @@ class Engine:
         return sum(self.kv_tokens(r) for r in self.running + self.prefilling)
 
     def _link_draft(self) -> None:
+        # a model draft with prompt lookup: its rows may copy from their context, past a one-k policy's k
+        self.draft_copies = self.draft is not None and bool(self.draft.info().get("prompt_lookup"))
         if self.draft is not None and self.draft.info().get("feature_layers"):
             # An EAGLE-style draft reads the target's hidden states: the target returns them with
             # every verification, for the positions that verification made final.
@@ -311,7 +313,8 @@ class Engine:
             choice = self.policy.choose(BatchState(len(draft_ids), self.config.max_k, True, tuple(draft_ids),
                                                    len(self.prefilling) + len(self.waiting),
                                                    tuple(self.running[b].params.structured is not None for b in drafting),
-                                                   tuple(st.contexts[b] for b in drafting), self.config.max_copy_tokens))
+                                                   tuple(st.contexts[b] for b in drafting), self.config.max_copy_tokens,
+                                                   self.draft_copies))
             choice = fit_choice(choice, self.config.max_k, room, len(draft_ids), self.config.max_copy_tokens)
             if choice:
                 t = time.perf_counter()

@@ -552,6 +552,7 @@ class ModelWorker:
             "eos_ids": eos,
             "gpu_type": detect_gpu_type(),
             "dtype": str(self.model.dtype).removeprefix("torch."),
+            "prompt_lookup": self.prompt_lookup,
         }
 
     # ---- internals -------------------------------------------------------------------------

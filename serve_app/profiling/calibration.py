@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import replace
 from statistics import median
 
 from serve_app.engine.draftplan import DraftPlan
@@ -242,20 +243,25 @@ class Calibrated:
 
     def choose(self, state):
         choice = self.inner.choose(state)
-        if not self.explore_every or isinstance(choice, DraftPlan) or choice <= 0:
+        plan = isinstance(choice, DraftPlan)
+        k = choice.model_depth if plan and choice.copy_value is not None else choice  # lut's, adaptive's k in a plan
+        if not self.explore_every or not state.has_draft or not isinstance(k, int) or k < 0:
             return choice
-        # Every explore_every-th speculating step runs a neighbouring k (up and down by turns): a policy that
-        # keeps one k per batch size would show the calibration one column only, and a machine can differ from
-        # its profile in what each drafted token and forward costs (contexts longer than the profiling
-        # prompts', a slower draft), which only two columns measure. Costs a few percent of steps near the best k.
+        # Every explore_every-th step runs a neighbouring k (up and down by turns): a policy that keeps one k per
+        # batch size would show the calibration one column only, and a machine can differ from its profile in
+        # what each drafted token and forward costs (contexts longer than the profiling prompts', a slower
+        # draft), which only two columns measure. From k = 0 too (it runs k = 1): a batch size where the profile
+        # says speculation never pays would show k = 0 only, and its one factor would price every k there by
+        # the plain step's, so a machine whose plain step is the slow part would never speculate there again.
+        # Costs a few percent of steps near the best k.
         self._chosen += 1
         if self._chosen % self.explore_every:
             return choice
         top = min(state.max_k, max(self.profile.latency.ks))
         step = 1 if (self._chosen // self.explore_every) % 2 else -1  # up and down by turns
-        for alt in (choice + step, choice - step):
+        for alt in (k + step, k - step):
             if 1 <= alt <= top:
-                return alt
+                return replace(choice, model_depth=alt) if plan else alt
         return choice
 
     def observe(self, stats: StepStats) -> None:
@@ -270,11 +276,8 @@ class Calibrated:
 
     def refresh(self) -> None:
         grid = self.calibration.grid()
-        if hasattr(self.inner, "refresh"):  # budget: prices from the calibrated latencies
+        if hasattr(self.inner, "refresh"):  # budget, adaptive: prices and goodput from the calibrated latencies
             self.inner.refresh(grid)
-        elif hasattr(self.inner, "grid"):  # adaptive: goodput from the calibrated latencies
-            self.inner.grid = grid
-            self.inner._step_ms.clear()
         elif self.profile.acceptance:  # lut: the paper's table, from the calibrated grid and live acceptance
             acceptance = self.profile.acceptance
             if self.live is not None:  # the profile's per-position shape, scaled to the live per-token rate
