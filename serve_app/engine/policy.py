@@ -139,7 +139,7 @@ class LookupTable:
         self.acceptance = acceptance
         self.copy_grid = latency if latency is not None and acceptance else None  # prices copies past k
         self._tables: dict[int, dict[int, int]] = {}  # context bucket -> best k per profiled batch size
-        self._token_ms: dict[tuple, float] = {}
+        self._copy_value: dict[tuple, float | None] = {}  # (batch size, context bucket, k) -> copy_value (cache)
 
     def table(self, context: float | None) -> dict[int, int]:
         """The best-k table at a context (the profile's own table without a context axis)."""
@@ -154,12 +154,12 @@ class LookupTable:
         """A calibrated grid and the live acceptance: the table (and its context tables) again."""
         self.best_k.update(best_k_table(latency, acceptance))
         self.copy_grid, self.acceptance = latency, acceptance
-        self._token_ms.clear()
+        self._copy_value.clear()
         if self.latency is not None:
             self.latency = latency
             self._tables.clear()
 
-    def choose(self, state: BatchState) -> int:
+    def choose(self, state: BatchState) -> int | DraftPlan:
         if not state.has_draft:
             return 0
         b = state.batch_size
@@ -168,13 +168,15 @@ class LookupTable:
         k = min(table.get(nearest, self.best_k[nearest]), state.max_k)
         if k <= 0 or not state.copies or self.copy_grid is None:
             return k
-        # what a step at k is worth: its rows' expected tokens (the profile's acceptance per position) per ms
-        grid, context = self.copy_grid, state.context_for(self.copy_grid)
-        ms = dict(zip(grid.ks, grid.step_ms(b, context_bucket(context)))).get(k)
-        if not ms:
-            return k
-        rate = b * (1 + sum(self.acceptance[:k])) / ms
-        return copies_past(k, state, rate * token_ms(grid, b, k, context, self._token_ms))
+        key = (b, context_bucket(state.context_for(self.copy_grid)), k)
+        if key not in self._copy_value:
+            # what a step at k is worth: its rows' expected tokens (the profile's acceptance per position) per ms
+            grid = self.copy_grid
+            ms = dict(zip(grid.ks, grid.step_ms(b, key[1]))).get(k)
+            self._copy_value[key] = b * (1 + sum(self.acceptance[:k])) / ms * prices(grid, b, key[1], k + 1).token_ms \
+                if ms else None
+        value = self._copy_value[key]
+        return k if value is None else copies_past(k, state, value)
 
     def observe(self, stats: StepStats) -> None:
         pass
