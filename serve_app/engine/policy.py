@@ -110,15 +110,6 @@ def copies_past(k: int, state: BatchState, copy_value: float) -> int | DraftPlan
     return DraftPlan(caps=[state.max_copy] * state.batch_size, model_depth=k, copy_value=copy_value)
 
 
-def token_ms(grid: LatencyGrid, batch_size: int, k: int, context: float | None, cache: dict) -> float:
-    """Verifying one more drafted token at this batch size, where a step drafts about k (`budget.prices`'
-    slope through k + 1), cached by (batch size, context bucket, k)."""
-    key = (batch_size, context_bucket(context), k)
-    if key not in cache:
-        cache[key] = prices(grid, batch_size, key[1], k + 1).token_ms
-    return cache[key]
-
-
 class LookupTable:
     """The paper's policy: k = best_k[batch size] from the hardware's profile.
 
@@ -241,7 +232,7 @@ class Adaptive:
         self.grid, self.probe_every = grid, probe_every
         self.estimate = AcceptanceEstimate(acceptance_rate, half_life)
         self._step_ms: dict[tuple, list[float]] = {}  # (batch size, context bucket) -> step latency per k (cache)
-        self._token_ms: dict[tuple, float] = {}
+        self._token_ms: dict[tuple, float] = {}  # (batch size, context bucket, k) -> `token_ms` (cache)
         self._since_probe = 0
 
     @property
@@ -271,7 +262,15 @@ class Adaptive:
                 return 1  # a plain k: the probe's step scores the draft's backlog (a plan's keeps one position)
         if k <= 0 or not state.copies:
             return k
-        return copies_past(k, state, g[j] * token_ms(self.grid, state.batch_size, k, context, self._token_ms))
+        return copies_past(k, state, g[j] * self.token_ms(state.batch_size, k, context))
+
+    def token_ms(self, batch_size: int, k: int, context: float | None) -> float:
+        """Verifying one more drafted token at this batch size where a step drafts about k (`budget.prices`' slope
+        through k + 1): what a token copied past k costs."""
+        key = (batch_size, context_bucket(context), k)
+        if key not in self._token_ms:
+            self._token_ms[key] = prices(self.grid, batch_size, key[1], k + 1).token_ms
+        return self._token_ms[key]
 
     def observe(self, stats: StepStats) -> None:
         if stats.k:
