@@ -408,7 +408,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="replay `bench policies` (b) for real on this machine, simulated from its profile and replayed per "
                          "row on a virtual clock: compare mean latency per policy, and every real step's time with the "
                          "cost model's price by (batch, k, context); exit 1 when an error is over --tolerance, the "
-                         "order differs, or a bucket's median step error is over 10%")
+                         "order differs, or a bucket's median step error is over 10%%")
     sm.add_argument("--tolerance", type=float, default=0.10, help="--validate: largest relative error allowed")
     sm.add_argument("--tie", type=float, default=0.05,
                     help="--validate: policies the real run puts closer than this (relative) may come in either order")

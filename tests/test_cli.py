@@ -119,3 +119,22 @@ def test_console_script_runs(tmp_path, tiny_model_dirs):
     assert proc.returncode == 0, proc.stderr
     row = json.loads(out.read_text())
     assert 1 <= len(row["token_ids"]) <= 6 and row["stats"]["proposed"] > 0
+
+
+def test_every_command_prints_its_help():
+    """`--help` formats every option's help text (a bare % in one made `simulate --help` crash)."""
+    import argparse
+
+    from serve_app.cli import _parser
+
+    def walk(parser, path):
+        yield path, parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from walk(sub, path + [name])
+
+    commands = list(walk(_parser(), []))
+    assert len(commands) > 10
+    for path, parser in commands:
+        assert parser.format_help(), path
