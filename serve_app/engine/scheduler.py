@@ -172,12 +172,13 @@ class Engine:
         return sum(self.kv_tokens(r) for r in self.running + self.prefilling)
 
     def _link_draft(self) -> None:
+        info = self.draft.info() if self.draft is not None else {}  # one call: a draft actor answers it remotely
         # a model draft with prompt lookup: its rows may copy from their context, past a one-k policy's k
-        self.draft_copies = self.draft is not None and bool(self.draft.info().get("prompt_lookup"))
-        if self.draft is not None and self.draft.info().get("feature_layers"):
+        self.draft_copies = bool(info.get("prompt_lookup"))
+        if info.get("feature_layers"):
             # An EAGLE-style draft reads the target's hidden states: the target returns them with
             # every verification, for the positions that verification made final.
-            self.target.capture_features(self.draft.info()["feature_layers"])
+            self.target.capture_features(info["feature_layers"])
 
     @classmethod
     def from_models(cls, models, config: EngineConfig | None = None, policy: Policy | None = None) -> "Engine":
