@@ -438,6 +438,12 @@ def _parser() -> argparse.ArgumentParser:
     pf.add_argument("--acceptance-only", action="store_true",
                     help="keep the latency grid of the profile at --out: measure its acceptance and the draft's "
                          "confidence curve again (--prompts, --max-tokens) and rewrite its best-k table from them")
+    pf.add_argument("--copy-ks", default="auto",
+                    help="k past --max-k where only the verification is measured: a row copying its prompt drafts up to "
+                         "max_copy_tokens without a draft forward (auto: halfway to max_copy_tokens and it; '' none)")
+    pf.add_argument("--copies-only", action="store_true",
+                    help="keep the profile at --out: add its verification at --copy-ks, measured beside its grid's "
+                         "longest k and scaled to them (--reps)")
     pf.add_argument("--predict", metavar="GPU_TYPE", default=None,
                     help="measure nothing: write a profile marked `source: predicted` for GPU_TYPE from the roofline "
                          "model (serve_app/profiling/roofline.py); needs --acceptance-rate or --acceptance-from")
@@ -1071,6 +1077,14 @@ def _cmd_profile(args) -> int:
     sizes = sorted(set(int_list(args.batch_sizes, "--batch-sizes")))
     if not sizes or sizes[0] < 1 or not 1 <= args.max_k <= 32 or args.reps < 1 or args.prompts < 1 or args.max_tokens < 1:
         raise UsageError("need batch sizes >= 1, 1 <= --max-k <= 32, and --reps, --prompts, --max-tokens >= 1")
+    if args.copy_ks == "auto":
+        from serve_app.profiling.profiler import copy_ks_for
+
+        copy_ks = copy_ks_for(args.max_k, EngineConfig.model_fields["max_copy_tokens"].default)
+    else:
+        copy_ks = sorted(set(int_list(args.copy_ks, "--copy-ks"))) if args.copy_ks.strip() else []
+        if copy_ks and copy_ks[0] <= args.max_k:
+            raise UsageError(f"--copy-ks must lie past --max-k {args.max_k}")
     if args.predict:
         from pathlib import Path
 
@@ -1087,6 +1101,19 @@ def _cmd_profile(args) -> int:
         plot_profile(profile, path.with_suffix(".png"))
         print(f"PREDICTED profile for {profile.gpu_type} written to {path} (heatmap {path.with_suffix('.png')}); "
               "a measured profile replaces it")
+    elif args.copies_only:
+        from serve_app.profiling.profiler import remeasure_copies
+
+        mc = ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
+        try:
+            profile, path, found = remeasure_copies(mc, args.out, copy_ks, args.reps)
+        except (ValueError, FileNotFoundError) as e:
+            raise UsageError(str(e)) from None
+        g = profile.latency
+        print(f"verification at k = {g.copy_ks} added to {path} (scaled by {[round(f, 3) for f in found['factors']]}):")
+        for b, row, top in zip(g.batch_sizes, g.copy_verify_ms, g.verify_ms):
+            print(f"  batch {b}: k = {g.ks[-1]} {top[-1]:.1f} ms, " + ", ".join(f"k = {k} {v:.1f} ms" for k, v in zip(g.copy_ks, row)))
+        return 0
     elif args.acceptance_only:
         from serve_app.profiling.profiler import remeasure_acceptance
 
@@ -1098,7 +1125,7 @@ def _cmd_profile(args) -> int:
         print(f"acceptance of {path} measured again; its latency grid kept (confidence curve {profile.confidence_curve})")
     else:
         mc = ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
-        profile, path = run_profile(mc, args.out, sizes, args.max_k, args.reps, args.prompts, args.max_tokens)
+        profile, path = run_profile(mc, args.out, sizes, args.max_k, args.reps, args.prompts, args.max_tokens, copy_ks)
         print(f"profile for {profile.gpu_type} written to {path} (heatmap {path.with_suffix('.png')})")
     print(f"acceptance per position {profile.acceptance}, fitted rate {profile.acceptance_rate}")
     print("best k by batch size: " + ", ".join(f"{b}: {k}" for b, k in profile.best_k.items()))

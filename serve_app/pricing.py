@@ -147,6 +147,13 @@ class LatencyGrid(BaseModel):
     grows with it, since attention reads every earlier token."""
     prefill_draft_ms: list[float] | None = None
     """prefill_draft_ms[i]: the draft's part of prefill_ms[i] (what an engine without a draft saves)."""
+    copy_ks: list[int] | None = None
+    """Speculation lengths past ks[-1] where the verification was measured too, ascending: a row copying its prompt
+    (prompt lookup) drafts up to `max_copy_tokens` without a draft forward, and verifying that many tokens is not a
+    line through k <= ks[-1] (on this CPU 17 tokens at batch 1-4 cost 18-24% more than the line said). None: the
+    line extends past ks[-1]."""
+    copy_verify_ms: list[list[float]] | None = None
+    """copy_verify_ms[i][j]: the verification's time at batch_sizes[i], copy_ks[j]."""
     context: ContextGrid | None = None
     """The draft's and the verification's time at several contexts (`specserve profile --contexts`): the cells
     above are scaled from `context_tokens` to the context a step serves. None (older profiles): one context."""
@@ -175,6 +182,15 @@ class LatencyGrid(BaseModel):
                     raise ValueError(f"{name} needs one value >= 0 per batch size {self.batch_sizes}")
             if (chunk["chunk_draft_step_ms"] is None) != (chunk["chunk_draft_ms_per_token"] is None):
                 raise ValueError("chunk_draft_step_ms and chunk_draft_ms_per_token come together")
+        if (self.copy_ks is None) != (self.copy_verify_ms is None):
+            raise ValueError("copy_ks and copy_verify_ms come together")
+        if self.copy_ks is not None:
+            if self.copy_ks != sorted(set(self.copy_ks)) or not self.copy_ks or self.copy_ks[0] <= self.ks[-1]:
+                raise ValueError(f"copy_ks must be ascending, distinct and past the longest k {self.ks[-1]}")
+            if len(self.copy_verify_ms) != len(self.batch_sizes) or any(
+                    len(r) != len(self.copy_ks) or any(not v >= 0 for v in r) for r in self.copy_verify_ms):
+                raise ValueError(f"copy_verify_ms needs {len(self.copy_ks)} latencies >= 0 (one per copy k) "
+                                 f"per batch size {self.batch_sizes}")
         for name in ("draft_ms", "verify_ms", "other_ms"):
             rows = getattr(self, name)
             if len(rows) != len(self.batch_sizes):
@@ -245,9 +261,14 @@ class LatencyGrid(BaseModel):
         rows = getattr(self, f"{part}_ms")
         i0, i1, w = _between(self.batch_sizes, max(batch_size, 1))
         top = self.ks[-1]
-        j0, j1, wk = _between(self.ks, min(k, top)) if k > 0 else (0, 0, 0.0)
-        lo, hi = (r[j0] + wk * (r[j1] - r[j0]) + ((k - top) * _k_slope(self.ks, r) if k > top else 0.0)
-                  for r in (rows[i0], rows[i1]))  # the slope only past the grid (a copy): part_at runs every step
+        if k > top and part == "verify" and self.copy_ks is not None:  # a copy's verification, measured past top
+            ks = [top] + self.copy_ks
+            j0, j1, wk = _between(ks, k)
+            lo, hi = ((r[j0] + wk * (r[j1] - r[j0])) for r in ([rows[i][-1]] + self.copy_verify_ms[i] for i in (i0, i1)))
+        else:
+            j0, j1, wk = _between(self.ks, min(k, top)) if k > 0 else (0, 0, 0.0)
+            lo, hi = (r[j0] + wk * (r[j1] - r[j0]) + ((k - top) * _k_slope(self.ks, r) if k > top else 0.0)
+                      for r in (rows[i0], rows[i1]))  # the slope only past the grid (a copy): part_at runs every step
         v = max(lo + w * (hi - lo), 0.0)
         if context is not None and part != "other" and self.context is not None and self.context_tokens is not None:
             v *= self.context.scale(part, batch_size, k, context, self.context_tokens)

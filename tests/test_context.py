@@ -79,6 +79,42 @@ def test_a_copy_longer_than_the_grid_is_priced_by_the_trend_not_a_last_cells_dip
             g.context.scale("verify", 1, kc, 1024, g.context_tokens))
 
 
+def test_copy_columns_price_a_copys_verification_past_the_grid():
+    """A profile measures the verification at copy lengths past its k (`copy_ks`): on this CPU verifying 17 tokens
+    at batch 1-4 cost 18-24% more than the line through k <= 8 said, and `simulate --validate` found every k = 16
+    step under-priced. Past the grid's k the verification is read between its longest column and the copy
+    columns; nothing at k <= ks[-1] moves, nor the draft (a copy runs no draft forward), and calibration scales
+    the copy columns with the grid's longest k."""
+    g = grid()
+    top = g.ks[-1]
+    rows = [[r[-1] * 1.5, r[-1] * 3.0] for r in g.verify_ms]  # k = 8, 16: far above the line
+    c = g.model_copy(update={"copy_ks": [8, 16], "copy_verify_ms": rows})
+    LatencyGrid.model_validate(c.model_dump())
+    for b in (1, 8):
+        assert [c.part_at("verify", b, k) for k in range(top + 1)] == [g.part_at("verify", b, k) for k in range(top + 1)]
+        assert c.part_at("draft", b, 16) == g.part_at("draft", b, 16)
+        i = g.batch_sizes.index(b)
+        assert c.part_at("verify", b, 16) == pytest.approx(rows[i][1])
+        assert c.part_at("verify", b, 12) == pytest.approx((rows[i][0] + rows[i][1]) / 2)
+        assert c.part_at("verify", b, 6) == pytest.approx((g.verify_ms[i][-1] + rows[i][0]) / 2)
+        assert c.part_at("verify", b, 16) > 1.3 * g.part_at("verify", b, 16)  # the line under-priced it
+        # at a context: the copy column scaled like the grid's longest k
+        assert c.part_at("verify", b, 16, 1024) == pytest.approx(
+            rows[i][1] * g.context.scale("verify", b, top, 1024, g.context_tokens))
+    assert c.part_at("verify", 4, 16) == pytest.approx((rows[0][1] * 4 + rows[1][1] * 3) / 7)  # between batch sizes
+    # calibration: a machine 2x slow at verifying is 2x slow at the copy columns too
+    cal = Calibration(c, warmup=0, min_samples=4)
+    for _ in range(12):
+        for k in (1, 4):
+            cal.observe(StepStats(k=k, batch_size=8, draft_s=c.draft_ms[1][c.ks.index(k)] / 1000,
+                                  verify_s=2 * c.verify_ms[1][c.ks.index(k)] / 1000, other_s=c.other_ms[1][0] / 1000))
+    assert cal.grid().copy_verify_ms[1] == pytest.approx([2 * v for v in rows[1]], rel=0.02)
+    for bad, message in (({"copy_ks": [4, 16]}, "past the longest k"), ({"copy_ks": None}, "come together"),
+                         ({"copy_verify_ms": [[1.0], [1.0]]}, "one per copy k")):
+        with pytest.raises(ValueError, match=message):
+            LatencyGrid.model_validate(c.model_dump() | bad)
+
+
 def test_paged_prices_the_mean_padded_the_longest_row():
     rows = [100, 100, 100, 1700]
     assert grid("paged").context.context_of(rows) == 500

@@ -30,6 +30,9 @@ def test_profiling_smoke_writes_a_valid_profile_and_heatmap(tiny_profile):
     assert all(v > 0 for row in g.verify_ms for v in row)
     assert all(row[0] < row[-1] for row in g.draft_ms)  # k = 0 runs no draft forward, k = 3 three
     assert len(g.resume_ms) == 3 and all(v >= 0 for v in g.resume_ms)
+    # a copy's verification past k = 3, up to max_copy_tokens (16): halfway and there
+    assert g.copy_ks == [10, 16] and all(len(r) == 2 and min(r) > 0 for r in g.copy_verify_ms)
+    assert "verification also at k = 10, 16 (copies)" in p.notes
     assert "PROFILE_PROMPTS" in p.notes and "shuffled" in p.notes
     assert len(p.acceptance) == 3 and sorted(p.acceptance, reverse=True) == p.acceptance
     assert set(p.best_k) == {1, 2, 4} and all(0 <= k <= 3 for k in p.best_k.values())
@@ -148,6 +151,33 @@ def test_acceptance_only_measures_acceptance_and_the_curve_again_and_keeps_the_g
     assert main(["profile", "--acceptance-only", *pair, "--out", str(other)]) == 2
     assert "measured with target 'target' and draft 'some-other-draft'" in capsys.readouterr().err
     assert main(["profile", "--acceptance-only", "--predict", "NVIDIA_L4"]) == 2
+
+
+def test_copies_only_adds_the_copy_columns_scaled_to_the_grid_and_keeps_the_rest(tiny_profile, tiny_model_dirs,
+                                                                                  tmp_path, capsys):
+    """`specserve profile --copies-only`: a profile without copy columns gets them, measured beside its grid's
+    longest k and scaled per batch size so those columns match the grid's; everything else stays. Copy columns
+    not past the grid's k, or a predicted profile, are refused."""
+    before = json.loads(tiny_profile.read_text())
+    old = json.loads(tiny_profile.read_text())
+    old["latency"] |= {"copy_ks": None, "copy_verify_ms": None,
+                       "verify_ms": [[v * 3 for v in row] for row in old["latency"]["verify_ms"]]}  # a slower day
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    pair = ["--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"]]
+    assert main(["profile", "--copies-only", *pair, "--max-k", "3", "--copy-ks", "6,9", "--reps", "2",
+                 "--out", str(path)]) == 0
+    assert "verification at k = [6, 9] added" in capsys.readouterr().out
+    p = load_profile(path)
+    g = p.latency
+    assert g.copy_ks == [6, 9] and "--copies-only" in p.notes
+    assert g.model_dump() | {"copy_ks": None, "copy_verify_ms": None} == old["latency"]
+    for i, row in enumerate(g.copy_verify_ms):  # scaled to the (3x slower) grid: above its k = 3 cell's half
+        assert min(row) > 0.5 * g.verify_ms[i][-1]
+    assert p.acceptance == before["acceptance"]
+    assert main(["profile", "--copies-only", *pair, "--copy-ks", "2", "--out", str(path)]) == 2
+    assert main(["profile", "--copies-only", *pair, "--max-k", "1", "--copy-ks", "3", "--out", str(path)]) == 2
+    assert "past the grid's longest k, 3" in capsys.readouterr().err
 
 
 def test_profile_errors_exit_2(tmp_path, tiny_model_dirs, tiny_profile, capsys):

@@ -187,6 +187,10 @@ class Calibration:
             return self._made[1]
         scaled = {f"{part}_ms": [[v * self.ratio(part, i, j) for j, v in enumerate(row)]
                                  for i, row in enumerate(getattr(self.base, f"{part}_ms"))] for part in PARTS}
+        if self.base.copy_verify_ms is not None:  # a copy's verification moves with the grid's longest k
+            top = len(self.base.ks) - 1
+            scaled["copy_verify_ms"] = [[v * self.ratio("verify", i, top) for v in row]
+                                        for i, row in enumerate(self.base.copy_verify_ms)]
         for name in CHUNK_FIELDS:
             values = getattr(self.base, name)
             if values is not None:

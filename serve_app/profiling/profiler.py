@@ -66,7 +66,7 @@ def _total_ms(st: StepStats) -> float:
 
 
 def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int], reps: int, bar: tqdm,
-                    seed: int = 0) -> LatencyGrid:
+                    seed: int = 0, copy_ks: list[int] = (), chunk_prefill: bool = True) -> LatencyGrid:
     """Median draft / verify / other time of a step for every (batch size, k), and the chunked prefill's price.
 
     b greedy requests run together while the profiler sets k, b fresh ones every round (so contexts
@@ -78,27 +78,32 @@ def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int],
     `resume_ms` records it for steps that resume speculation after k = 0. The grid's engine has a step
     budget that fits every (b, k) and a round's prompts in one step: the grid is the cost of (b, k)
     itself; the engine lowers k to its budget when serving, and so do the simulators.
+    `copy_ks` (past ks[-1]) are visited too, only their verification kept (`LatencyGrid.copy_verify_ms`): the
+    draft drafts them with its model here, a copying row without one when serving. `chunk_prefill`: False
+    leaves the chunked prefill's price out (`remeasure_copies`).
     """
     prompts = chat_prompts(models.tokenizer, PROFILE_PROMPTS, max(batch_sizes))
     rounds = reps + 1  # one warm-up round per batch size, not recorded
-    per_round = 2 * sum(k + 1 for k in ks) + 2  # tokens one round can generate per sequence
+    visits = list(ks) + list(copy_ks)
+    per_round = 2 * sum(k + 1 for k in visits) + 2  # tokens one round can generate per sequence
     rng = random.Random(seed)
     cells = {name: [[0.0] * len(ks) for _ in batch_sizes] for name in ("draft_ms", "verify_ms", "other_ms")}
+    copy_verify = [[0.0] * len(copy_ks) for _ in batch_sizes]
     resume_ms, contexts = [], []
     chunk: dict[str, list[float]] = {name: [] for name in ("chunk_step_ms", "chunk_ms_per_token", "chunk_draft_step_ms",
                                                            "chunk_draft_ms_per_token")}
     chunk_prompt = None
     longest = max(len(p) for p in prompts)
     for i, b in enumerate(batch_sizes):
-        need = longest + per_round + max(ks) + 1
-        engine = _engine(models, b, max(ks), need, max(BUDGET, b * (max(ks) + 1), b * longest))
+        need = longest + per_round + max(visits) + 1
+        engine = _engine(models, b, max(visits), need, max(BUDGET, b * (max(visits) + 1), b * longest))
         if need > engine.max_model_len:
-            raise ValueError(f"profiling k up to {max(ks)} needs {need} tokens of context; "
+            raise ValueError(f"profiling k up to {max(visits)} needs {need} tokens of context; "
                              f"the model allows {engine.max_model_len}: lower --max-k")
         seen: list[StepStats] = []
         engine.on_step.append(seen.append)
         params = SamplingParams(max_tokens=per_round, ignore_eos=True)
-        samples: dict[int, list[StepStats]] = {k: [] for k in ks}
+        samples: dict[int, list[StepStats]] = {k: [] for k in visits}
         resumes: list[tuple[int, StepStats]] = []  # (k, switch step) right after a k = 0 visit
         prev = 0
         for r in range(rounds):
@@ -107,7 +112,7 @@ def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int],
             reqs = [engine.submit(prompts[(r * b + j) % len(prompts)], params) for j in range(b)]
             engine.policy = FixedK(0)
             _prefill(engine, reqs)  # one step (the budget fits the prompts), not recorded
-            order = list(ks)
+            order = list(visits)
             rng.shuffle(order)
             for k in order:
                 engine.policy = FixedK(k)
@@ -117,7 +122,7 @@ def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int],
                 if r:
                     samples[k].append(seen[-1])
                     contexts.append(statistics.fmean(len(q.context()) for q in reqs))
-                    if prev == 0 and k > 0:
+                    if prev == 0 and 0 < k <= ks[-1]:
                         resumes.append((k, switch))
                 prev = k
                 bar.update(1)
@@ -127,15 +132,21 @@ def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int],
         for j, k in enumerate(ks):
             for name, attr in (("draft_ms", "draft_s"), ("verify_ms", "verify_s"), ("other_ms", "other_s")):
                 cells[name][i][j] = round(statistics.median(getattr(s, attr) for s in samples[k]) * 1000, 3)
+        for j, k in enumerate(copy_ks):
+            copy_verify[i][j] = round(statistics.median(s.verify_s for s in samples[k]) * 1000, 3)
         steady = {k: cells["draft_ms"][i][j] for j, k in enumerate(ks)}
         extra = [s.draft_s * 1000 - steady[k] for k, s in resumes]
         resume_ms.append(round(max(statistics.median(extra), 0.0), 3) if extra else 0.0)
-        *price, chunk_prompt = measure_chunk_prefill(models, prompts, b, reps, engine.max_model_len)
-        for name, v in zip(chunk, price):
-            chunk[name].append(round(v, 4))
+        if chunk_prefill:
+            *price, chunk_prompt = measure_chunk_prefill(models, prompts, b, reps, engine.max_model_len)
+            for name, v in zip(chunk, price):
+                chunk[name].append(round(v, 4))
         bar.update(1)
-    return LatencyGrid(batch_sizes=batch_sizes, ks=ks, resume_ms=resume_ms, chunk_budget=BUDGET,
+    if not chunk_prefill:
+        chunk = {name: None for name in chunk}
+    return LatencyGrid(batch_sizes=batch_sizes, ks=ks, resume_ms=resume_ms, chunk_budget=BUDGET if chunk_prefill else None,
                        chunk_prompt_tokens=chunk_prompt, **chunk,
+                       copy_ks=list(copy_ks) or None, copy_verify_ms=copy_verify if copy_ks else None,
                        context_tokens=round(statistics.fmean(contexts)) if contexts else None, **cells)
 
 
@@ -217,14 +228,14 @@ def measure_acceptance(models: LoadedModels, k: int, num_prompts: int, max_token
 
 
 def run_profile(mc: ModelConfig, out: str | None, batch_sizes: list[int], max_k: int, reps: int,
-                num_prompts: int, max_tokens: int) -> tuple[Profile, Path]:
+                num_prompts: int, max_tokens: int, copy_ks: list[int] = ()) -> tuple[Profile, Path]:
     models = load_models(mc)
     if models.draft is None:
         raise ValueError("profiling needs a draft model (--draft): without one there is no k to choose")
     out_path = Path(out or f"profiles/{detect_gpu_type()}.json")
     target, draft = model_names(mc)
     profile = measure_profile(models, target, draft, resolve_dtype(mc.dtype, mc.device), mc.device, batch_sizes, max_k,
-                              reps, num_prompts, max_tokens)
+                              reps, num_prompts, max_tokens, copy_ks)
     save_profile(profile, out_path)
     plot_profile(profile, out_path.with_suffix(".png"))
     return profile, out_path
@@ -261,15 +272,63 @@ def remeasure_acceptance(mc: ModelConfig, path: str | None, num_prompts: int, ma
     return profile, out_path
 
 
+def copy_ks_for(max_k: int, max_copy: int) -> list[int]:
+    """The copy columns a profile measures past k = max_k: halfway to `max_copy` (a copy's longest) and `max_copy`
+    itself; none where copies stop at max_k."""
+    if max_copy <= max_k:
+        return []
+    return sorted({max_k + (max_copy - max_k + 1) // 2, max_copy} - {max_k})
+
+
+def remeasure_copies(mc: ModelConfig, path: str | None, copy_ks: list[int], reps: int,
+                     anchors: int = 3) -> tuple[Profile, Path, dict]:
+    """`specserve profile --copies-only`: add the verification at `copy_ks` (past the grid's longest k) to an existing
+    measured profile, its grid otherwise kept. This machine runs today at its own speed (on a shared machine 20-60%
+    off the day the grid was measured), so the new columns are measured beside the grid's last `anchors` k, in the
+    same rounds, and scaled per batch size by the median of profiled / measured over those anchors: a copy column
+    keeps its ratio to the columns the profile has. Returns the profile, its path and the factors."""
+    out_path = Path(path or f"profiles/{detect_gpu_type()}.json")
+    profile = load_profile(out_path)
+    grid = profile.latency
+    if profile.source != "measured" or grid is None:
+        raise ValueError(f"{out_path} is not a measured profile with a latency grid: measure it whole (`specserve profile`)")
+    if not copy_ks or min(copy_ks) <= grid.ks[-1]:
+        raise ValueError(f"copy columns must lie past the grid's longest k, {grid.ks[-1]}")
+    models = load_models(mc)
+    if models.draft is None:
+        raise ValueError("measuring the copies' verification needs the profile's draft model (--draft)")
+    target, draft = model_names(mc)
+    profile.check_pair(target, draft, resolve_dtype(mc.dtype, mc.device))
+    shared = [k for k in grid.ks if k >= 1][-anchors:]
+    torch.manual_seed(0)
+    with tqdm(total=len(grid.batch_sizes) * ((reps + 1) * (1 + len(shared) + len(copy_ks)) + 1),
+              desc=f"copies {profile.gpu_type}", unit="cell") as bar:
+        now = measure_latency(models, grid.batch_sizes, [0] + shared, reps, bar, copy_ks=copy_ks, chunk_prefill=False)
+    factors = [statistics.median(grid.verify_ms[i][grid.ks.index(k)] / now.verify_ms[i][j + 1]
+                                 for j, k in enumerate(shared) if now.verify_ms[i][j + 1] > 0)
+               for i in range(len(grid.batch_sizes))]
+    columns = [[round(v * f, 3) for v in row] for row, f in zip(now.copy_verify_ms, factors)]
+    note = (f"; verification at k = {', '.join(map(str, copy_ks))} (copies) measured by `specserve profile --copies-only` "
+            f"on {socket.gethostname()} at {datetime.now(timezone.utc).isoformat(timespec='seconds')} beside k = "
+            f"{', '.join(map(str, shared))}, scaled per batch size to the grid by profiled / measured over those "
+            f"(factors {', '.join(f'{f:.2f}' for f in factors)}; mean context {now.context_tokens} tokens)")
+    latency = grid.model_copy(update={"copy_ks": list(copy_ks), "copy_verify_ms": columns})
+    profile = Profile.model_validate(profile.model_dump() | {"latency": latency.model_dump(), "notes": profile.notes + note})
+    save_profile(profile, out_path)
+    plot_profile(profile, out_path.with_suffix(".png"))
+    return profile, out_path, {"factors": factors, "measured": now.model_dump()}
+
+
 def measure_profile(models: LoadedModels, target: str, draft: str, dtype: str, device: str, batch_sizes: list[int],
-                    max_k: int, reps: int, num_prompts: int, max_tokens: int) -> Profile:
-    """This machine's profile of a loaded pair (named target / draft): latency grid, acceptance, best-k table."""
+                    max_k: int, reps: int, num_prompts: int, max_tokens: int, copy_ks: list[int] = ()) -> Profile:
+    """This machine's profile of a loaded pair (named target / draft): latency grid (with the verification at
+    `copy_ks`), acceptance, best-k table."""
     gpu_type = detect_gpu_type()
     ks = list(range(max_k + 1))
     torch.manual_seed(0)
-    total = len(batch_sizes) * ((reps + 1) * len(ks) + 1) + num_prompts
+    total = len(batch_sizes) * ((reps + 1) * (len(ks) + len(copy_ks)) + 1) + num_prompts
     with tqdm(total=total, desc=f"profile {gpu_type}", unit="cell") as bar:
-        grid = measure_latency(models, batch_sizes, ks, reps, bar)
+        grid = measure_latency(models, batch_sizes, ks, reps, bar, copy_ks=copy_ks)
         acceptance, curve = measure_acceptance(models, max_k, num_prompts, max_tokens, bar)
     return Profile(
         gpu_type=gpu_type, target=target, draft=draft, dtype=dtype, latency=grid, acceptance=acceptance,
@@ -282,7 +341,8 @@ def measure_profile(models: LoadedModels, target: str, draft: str, dtype: str, d
                f"{grid.chunk_prompt_tokens}-token and whole-chunk prompts ({grid.chunk_budget}-token step budget) "
                "beside each batch decoding at k = 0; torch threads "
                f"{torch.get_num_threads()}, device {device}; acceptance at k={max_k} over {num_prompts} "
-               f"PROFILE_PROMPTS x {max_tokens} tokens"),
+               f"PROFILE_PROMPTS x {max_tokens} tokens"
+               + (f"; verification also at k = {', '.join(map(str, copy_ks))} (copies)" if copy_ks else "")),
     )
 
 
