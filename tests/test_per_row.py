@@ -3,6 +3,7 @@ draft kind, seeded text does not move, sampling stays exact when rows stop on th
 and the policy's prices as pure functions."""
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -473,6 +474,36 @@ def test_lut_and_adaptive_let_copying_rows_go_on_past_their_k():
     # a probe stays a plain k: its step scores the draft's backlog
     probe = Adaptive(grid, 0.0, probe_every=1)
     assert probe.choose(state) == 1
+
+
+def test_lut_and_adaptive_learn_what_their_copies_estimates_come_to():
+    """A copy record's estimate is a prior (a document's copies came out accepted 32% where their estimates said
+    more): lut and adaptive learn, per estimate bin, what copied tokens' estimates came to (the context's copies
+    and the suffix history's apart, the model's rows not at all) and hand it to the draft in their plans, so a
+    copy past k stops where its learnt chance is no longer worth its verification."""
+    grid = hand_grid()
+    state = BatchState(8, 6, True, tuple("abcdefgh"), max_copy=16, copies=True)
+    for policy in (LookupTable({1: 3, 8: 2}, grid, [0.6, 0.3, 0.1, 0.05]), Adaptive(grid, 0.6, probe_every=0)):
+        before = policy.choose(state)
+        assert before.lookup_curve[9] == pytest.approx(0.95)  # no outcome yet: the estimate itself
+        # row a copied 8 tokens at estimate 0.95 and had the first accepted; row b (the model) drafted 2 at 0.95,
+        # both accepted; row c copied from the history, all 4 accepted
+        rows = RowOutcomes(list("abc"), [8, 2, 4], [1, 2, 4], [[0.95] * 8, [0.95] * 2, [0.35] * 4],
+                           [True, False, True], history=[False, False, True])
+        for _ in range(20):
+            policy.observe(StepStats(batch_size=3, k=8, proposed=14, accepted=7, rows=rows))
+        plan = policy.choose(state)
+        assert plan.lookup_curve[9] < 0.6  # 20 hits in 40 judged: the copies' 0.95 came to about 0.5
+        assert plan.history_curve[3] > 0.8 and plan.history_curve[9] == pytest.approx(0.95)
+        assert plan.curve is None  # the model's rows draft the policy's k whatever their confidence
+        walk = PlanWalk(replace(plan, caps=[16]))
+        for j in range(16):
+            walk.position(j, [0.95], lookup=[True])
+        learnt = walk.lengths[0]
+        walk = PlanWalk(replace(before, caps=[16]))
+        for j in range(16):
+            walk.position(j, [0.95], lookup=[True])
+        assert learnt < walk.lengths[0]  # the copy stops sooner
 
 
 def test_acceptance_estimate_counts_the_model_drafts_of_a_plan_step_not_copies():

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from serve_app.pricing import LatencyGrid, best_k_table, context_bucket, expected_tokens
-from serve_app.engine.budget import prices
+from serve_app.engine.budget import CopyCurves, prices
 from serve_app.engine.draftplan import DraftPlan
 from serve_app.engine.stats import StepStats
 
@@ -99,15 +99,17 @@ class FixedPlan(FixedK):
         return DraftPlan(caps=[k] * state.batch_size, model_depth=k) if k else 0
 
 
-def copies_past(k: int, state: BatchState, copy_value: float) -> int | DraftPlan:
+def copies_past(k: int, state: BatchState, copy_value: float, curves: CopyCurves | None = None) -> int | DraftPlan:
     """A one-k policy's k as a plan where rows may copy past it: the draft model drafts k tokens for every row,
     as at fixed k, and a row copying from its own context (prompt lookup; the suffix history) goes on to
     `max_copy` while each copied token's chance of acceptance, with every one before it, is worth
     `copy_value` expected tokens (its verification's price). A copy runs no draft forward, so past k it costs
-    verification only: a rewrite's row drafts 12 where chat rows draft 2. Plain k where no row can copy."""
+    verification only: a rewrite's row drafts 12 where chat rows draft 2. `curves`: what the copies' estimates
+    came to so far (learnt from the rows); None: the estimates themselves. Plain k where no row can copy."""
     if k <= 0 or not state.copies or state.max_copy <= k:
         return k
-    return DraftPlan(caps=[state.max_copy] * state.batch_size, model_depth=k, copy_value=copy_value)
+    return DraftPlan(caps=[state.max_copy] * state.batch_size, model_depth=k, copy_value=copy_value,
+                     **(curves.plan() if curves is not None else {}))
 
 
 class LookupTable:
@@ -131,6 +133,7 @@ class LookupTable:
         self.copy_grid = latency if latency is not None and acceptance else None  # prices copies past k
         self._tables: dict[int, dict[int, int]] = {}  # context bucket -> best k per profiled batch size
         self._copy_value: dict[tuple, float | None] = {}  # (batch size, context bucket, k) -> copy_value (cache)
+        self.copies = CopyCurves()
 
     def table(self, context: float | None) -> dict[int, int]:
         """The best-k table at a context (the profile's own table without a context axis)."""
@@ -167,10 +170,10 @@ class LookupTable:
             self._copy_value[key] = b * (1 + sum(self.acceptance[:k])) / ms * prices(grid, b, key[1], k + 1).token_ms \
                 if ms else None
         value = self._copy_value[key]
-        return k if value is None else copies_past(k, state, value)
+        return k if value is None else copies_past(k, state, value, self.copies)
 
     def observe(self, stats: StepStats) -> None:
-        pass
+        self.copies.observe(stats.rows)
 
 
 class AcceptanceEstimate:
@@ -231,6 +234,7 @@ class Adaptive:
     def __init__(self, grid: LatencyGrid, acceptance_rate: float, half_life: float = 128.0, probe_every: int = 16):
         self.grid, self.probe_every = grid, probe_every
         self.estimate = AcceptanceEstimate(acceptance_rate, half_life)
+        self.copies = CopyCurves()  # what the copies past k came to
         self._step_ms: dict[tuple, list[float]] = {}  # (batch size, context bucket) -> step latency per k (cache)
         self._token_ms: dict[tuple, float] = {}  # (batch size, context bucket, k) -> `token_ms` (cache)
         self._since_probe = 0
@@ -262,7 +266,7 @@ class Adaptive:
                 return 1  # a plain k: the probe's step scores the draft's backlog (a plan's keeps one position)
         if k <= 0 or not state.copies:
             return k
-        return copies_past(k, state, g[j] * self.token_ms(state.batch_size, k, context))
+        return copies_past(k, state, g[j] * self.token_ms(state.batch_size, k, context), self.copies)
 
     def token_ms(self, batch_size: int, k: int, context: float | None) -> float:
         """Verifying one more drafted token at this batch size where a step drafts about k (`budget.prices`' slope
@@ -273,6 +277,7 @@ class Adaptive:
         return self._token_ms[key]
 
     def observe(self, stats: StepStats) -> None:
+        self.copies.observe(stats.rows)
         if stats.k:
             self._since_probe = 0
             self.estimate.observe(stats)
