@@ -5,8 +5,11 @@ Replay runs the real engine, models and policies (greedy requests, seeded arriva
 by what the cost model says each step took (`calibration.step_cost_ms`: the profile's grid at the step's batch,
 draft forwards, drafted tokens per row and context, plus its prefill), not by wall time. Requests arrive when
 the virtual clock reaches their time. The run is deterministic: the same command gives the same figures on
-any machine, so a policy's quality is measured exactly, given the cost model (validated by `bench costmodel`,
-in `results/`, against measured steps).
+one machine, so a policy's quality is measured exactly, given the cost model (validated by `bench costmodel`,
+in `results/`, against measured steps). Not across CPU models: their bfloat16 kernels round differently, a
+greedy near-tie can flip, and the text (so the acceptance) moves: the same tree replayed fixed:2 on (b) in
+1.02 s on one 2-core machine and 0.99 s on another (accepted per drafted 0.38 against 0.41). Compare runs
+made on one machine.
 
 Parts:
 - (b) time-varying chat, (d) bursts of mixed chat / JSON / rewrites, (e) long documents between short chat

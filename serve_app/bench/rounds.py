@@ -76,7 +76,9 @@ def provenance() -> dict:
     """What produced a results file: the command, when, and the torch build and threads it ran with."""
     from serve_app.hardware import detect_gpu_type
 
-    argv = sys.argv[1:] if Path(sys.argv[0]).name == "specserve" else None
+    # `specserve ...`, or `python -m serve_app.cli ...` (a copy of the tree run apart from the one being edited)
+    run = Path(sys.argv[0])
+    argv = sys.argv[1:] if run.name == "specserve" or (run.name == "cli.py" and run.parent.name == "serve_app") else None
     return {"command": "specserve " + " ".join(argv) if argv is not None else None,
             "hardware": detect_gpu_type(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
