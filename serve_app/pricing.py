@@ -150,7 +150,7 @@ class LatencyGrid(BaseModel):
     copy_ks: list[int] | None = None
     """Speculation lengths past ks[-1] where the verification was measured too, ascending: a row copying its prompt
     (prompt lookup) drafts up to `max_copy_tokens` without a draft forward, and verifying that many tokens is not a
-    line through k <= ks[-1] (on this CPU 17 tokens at batch 1-4 cost 18-24% more than the line said). None: the
+    line through k <= ks[-1] (on this CPU 17 tokens cost 6-21% more than the line through k <= 8 said). None: the
     line extends past ks[-1]."""
     copy_verify_ms: list[list[float]] | None = None
     """copy_verify_ms[i][j]: the verification's time at batch_sizes[i], copy_ks[j]."""

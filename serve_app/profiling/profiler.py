@@ -241,6 +241,17 @@ def run_profile(mc: ModelConfig, out: str | None, batch_sizes: list[int], max_k:
     return profile, out_path
 
 
+def _pair_of(profile: Profile, mc: ModelConfig, what: str) -> LoadedModels:
+    """The models of `mc`, checked to be the profile's own pair and dtype (a ValueError naming `what` without a
+    draft): a profile measured again in part keeps what it was measured with."""
+    models = load_models(mc)
+    if models.draft is None:
+        raise ValueError(f"{what} needs a draft model (--draft)")
+    target, draft = model_names(mc)
+    profile.check_pair(target, draft, resolve_dtype(mc.dtype, mc.device))
+    return models
+
+
 def remeasure_acceptance(mc: ModelConfig, path: str | None, num_prompts: int, max_tokens: int) -> tuple[Profile, Path]:
     """`specserve profile --acceptance-only`: an existing measured profile's acceptance side measured again on
     its own pair and dtype (per position at its k, the fitted rate, the confidence curve, and the best-k table
@@ -250,11 +261,7 @@ def remeasure_acceptance(mc: ModelConfig, path: str | None, num_prompts: int, ma
     profile = load_profile(out_path)
     if profile.source != "measured" or not profile.acceptance:
         raise ValueError(f"{out_path} is not a measured profile with acceptance: measure it whole (`specserve profile`)")
-    models = load_models(mc)
-    if models.draft is None:
-        raise ValueError("measuring acceptance needs a draft model (--draft)")
-    target, draft = model_names(mc)
-    profile.check_pair(target, draft, resolve_dtype(mc.dtype, mc.device))
+    models = _pair_of(profile, mc, "measuring acceptance")
     k = len(profile.acceptance)
     torch.manual_seed(0)
     with tqdm(total=num_prompts, desc=f"acceptance {profile.gpu_type}", unit="prompt") as bar:
@@ -294,11 +301,7 @@ def remeasure_copies(mc: ModelConfig, path: str | None, copy_ks: list[int], reps
         raise ValueError(f"{out_path} is not a measured profile with a latency grid: measure it whole (`specserve profile`)")
     if not copy_ks or min(copy_ks) <= grid.ks[-1]:
         raise ValueError(f"copy columns must lie past the grid's longest k, {grid.ks[-1]}")
-    models = load_models(mc)
-    if models.draft is None:
-        raise ValueError("measuring the copies' verification needs the profile's draft model (--draft)")
-    target, draft = model_names(mc)
-    profile.check_pair(target, draft, resolve_dtype(mc.dtype, mc.device))
+    models = _pair_of(profile, mc, "measuring the copies' verification")
     shared = [k for k in grid.ks if k >= 1][-anchors:]
     torch.manual_seed(0)
     with tqdm(total=len(grid.batch_sizes) * ((reps + 1) * (1 + len(shared) + len(copy_ks)) + 1),
