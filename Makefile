@@ -78,7 +78,7 @@ distill-corpus: install  ## keep training INIT (default out/draft, from `make di
 # The GPU machines (docs/development.md, "On a lent GPU") have torch, transformers, accelerate, numpy and
 # tqdm, not pydantic: its wheels for their Python (3.12), at the versions this venv runs, go into .whl/
 # (git-ignored), which the campaign carries and installs with --no-index.
-GPU_WHEELS := pydantic pydantic-core annotated-types typing-inspection
+GPU_WHEELS := pydantic pydantic-core annotated-types typing-inspection typing-extensions
 gpu-wheels: install  ## wheels the GPU campaign carries (pydantic & co. for Python 3.12) into .whl/
 	rm -rf .whl && mkdir -p .whl
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -283,9 +283,16 @@ def _parser() -> argparse.ArgumentParser:
     sc.add_argument("--quick", action="store_true", help="small models and few steps (CI, a CPU)")
     sc.add_argument("--full", action="store_true", help="the whole GPU campaign: the checks, then `bench attention` "
                     "(gpu cases, llama-3.1-8b heads, on CUDA), this device's profile of a random Llama-3.1-8B "
-                    "at full depth with a truncated draft, and a short `bench policies` steered by it")
+                    "at full depth with a truncated draft, its context axis, a replay on it and a short `bench policies` "
+                    "steered by it")
     sc.add_argument("--checks", default=None, help="comma-separated subset: greedy, sampled, seeded, eagle3, attention, "
-                                                   "syncs, kv, profile, step")
+                                                   "syncs, kv, profile, step ('' with --full: the campaign alone)")
+    sc.add_argument("--stages", default=",".join(("attention", "profile", "context", "replay", "policies")),
+                    help="with --full: the campaign's stages to run, in this order: attention, profile, context (the "
+                         "profile's context axis at 512 / 4k / 16k), replay ((e) and the grid on that profile), policies "
+                         "(default: all)")
+    sc.add_argument("--deadline", type=float, default=None,
+                    help="with --full: seconds after which no campaign stage starts (a lent GPU's time is short)")
     sc.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/selfcheck-<hardware type>)")
     sc.set_defaults(func=_cmd_selfcheck)
 
@@ -787,56 +794,27 @@ def _cmd_bench_context(args) -> int:
 
 
 def _cmd_bench_replay(args) -> int:
-    import random
-
-    from tqdm import tqdm
-
     from serve_app.bench import replay as rp
-    from serve_app.bench.policies import mixed_jobs, varying_jobs
     from serve_app.models import load_models
     from serve_app.hardware import detect_gpu_type
     from serve_app.profiling.profiles import load_profile
 
+    if args.seeds < 1:
+        raise UsageError("--seeds must be >= 1")
+    if args.grid_rounds < 1:
+        raise UsageError("--grid-rounds must be >= 1")
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    if unknown := [p for p in parts if p not in ("b", "d", "e")]:
+        raise UsageError(f"--parts: unknown part {unknown[0]!r} (b, d, e)")
+    batches = int_list(args.grid_batches, "--grid-batches") if args.grid_batches else []
+    contexts = int_list(args.grid_contexts, "--grid-contexts")
     models = load_models(_bench_model(args))
     profile = load_profile(args.profile or f"profiles/{detect_gpu_type()}.json")
     if profile.latency is None:
         raise UsageError("replay needs a profile with a latency grid (its cost model)")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    tok = models.tokenizer
-    if args.seeds < 1:
-        raise UsageError("--seeds must be >= 1")
-
-    def schedules(seed: int) -> dict:
-        parts = {}
-        for name in [p.strip() for p in args.parts.split(",") if p.strip()]:
-            rng = random.Random(seed)
-            if name == "b":
-                parts[name] = varying_jobs(tok, rng, args.scale)[0]
-            elif name == "d":
-                parts[name] = mixed_jobs(tok, random.Random(seed + 1), args.scale)[0]
-            elif name == "e":
-                parts[name] = rp.long_jobs(tok, rng, args.scale)
-            else:
-                raise UsageError(f"--parts: unknown part {name!r} (b, d, e)")
-        return parts
-
-    seeded = [schedules(args.seed + i) for i in range(args.seeds)]
-    batches = int_list(args.grid_batches, "--grid-batches") if args.grid_batches else []
-    contexts = int_list(args.grid_contexts, "--grid-contexts") if batches else []
-    if args.grid_rounds < 1:
-        raise UsageError("--grid-rounds must be >= 1")
-    requests = args.grid_rounds * max(batches + [2])  # each request of the largest cell its own document
-    docs = {c: [rp.document(tok, c, 1000 * c + 7919 * i) for i in range(requests)] for c in contexts}
-    res = {"gpu_type": profile.gpu_type, "target": profile.target, "draft": profile.draft, "policies": policies,
-           "scale": args.scale, "seed": args.seed, "seeds": args.seeds, "grid_rounds": args.grid_rounds}
-    with tqdm(total=sum(map(len, seeded)) * len(policies) + len(batches) * len(contexts) * len(policies), desc="replay",
-              unit="run") as bar:
-        runs = [rp.replay_parts(models, profile, policies, parts, bar=bar) for parts in seeded]
-        res["parts"] = runs[0]
-        if args.seeds > 1 and runs[0]:
-            res["seeds"] = rp.across_seeds(runs)
-        if batches:
-            res["grid"] = rp.replay_grid(models, profile, policies, batches, docs, rounds=args.grid_rounds, bar=bar)
+    res = rp.run_replay(models, profile, policies, parts, args.scale, args.seed, args.seeds, batches, contexts,
+                        args.grid_rounds)
     _write_bench(args, "replay", res, rp.markdown(res, policies))
     return 0
 
@@ -890,23 +868,17 @@ def _cmd_selfcheck(args) -> int:
         cfg = SelfCheck(device=args.device, dtype=args.dtype, quick=args.quick)
     except ValidationError as e:
         raise UsageError(_first_error(e)) from None
-    names = [c.strip() for c in args.checks.split(",") if c.strip()] if args.checks else None
-    rc = main_selfcheck(cfg, args.out, names)
-    if args.full:
-        from serve_app.bench.attention import bench_attention
+    from serve_app.bench.campaign import STAGES, run_campaign
 
-        cuda = args.device.startswith("cuda")
-        results, markdown = bench_attention("gpu" if cuda else "quick" if args.quick else "cpu",
-                                            "llama-3.1-8b" if cuda else "smollm2-135m", args.device,
-                                            ["bfloat16"] if cuda else ["float32"], 5)
-        stem = args.out
-        args.out = f"{stem}-attention" if stem else None  # beside the checks' files
-        _write_bench(args, "attention", results, markdown)
-        from serve_app.bench.campaign import profile_and_policies
-
-        results, markdown = profile_and_policies(args.device, args.dtype, args.quick, stem)
-        args.out = f"{stem}-campaign" if stem else None
-        _write_bench(args, "campaign", results, markdown)
+    names = None if args.checks is None else [c.strip() for c in args.checks.split(",") if c.strip()]
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()] if args.full else []
+    if unknown := [s for s in stages if s not in STAGES]:
+        raise UsageError(f"--stages: unknown stage(s) {unknown}: use some of {', '.join(STAGES)}")
+    if names == [] and not stages:
+        raise UsageError("--checks '' runs no check: name some, or add --full for the campaign alone")
+    rc = main_selfcheck(cfg, args.out, names) if names != [] else 0
+    if stages:  # beside the checks' files: STEM-attention, -campaign, -profile.json, -context, -replay, -policies/
+        run_campaign(args.device, args.dtype, args.quick, args.out, stages, args.deadline)
     return rc
 
 

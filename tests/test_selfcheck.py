@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from serve_app import selfcheck
@@ -17,8 +18,8 @@ BLOCKED = "ray", "matplotlib", "gguf", "openai", "fastapi"
 
 
 def test_quick_cpu_campaign_passes_without_ray_or_matplotlib(tmp_path):
-    """The GPU campaign's command (`selfcheck --full`) with --device cpu --quick: every check, then the
-    attention benchmark, each with its results files."""
+    """The GPU campaign's command (`selfcheck --full`) with --device cpu --quick: every check, then every stage
+    (attention, profile, its context axis, the replay on it, policies), each with its results files."""
     stem = tmp_path / "selfcheck-cpu"
     code = (f"import sys; sys.modules.update(dict.fromkeys({BLOCKED!r})); from serve_app.cli import main; "
             f"sys.exit(main(['selfcheck', '--device', 'cpu', '--quick', '--full', '--out', {str(stem)!r}]))")
@@ -38,8 +39,18 @@ def test_quick_cpu_campaign_passes_without_ray_or_matplotlib(tmp_path):
     campaign = json.loads((tmp_path / "selfcheck-cpu-campaign.json").read_text())
     grid = campaign["profile"]["latency"]
     assert grid["batch_sizes"] == [1, 4] and all(v > 0 for row in grid["verify_ms"] for v in row)
-    assert set(campaign["policies"]["uniform"]["4"]) == {"none", "fixed:1", "fixed:2", "lut", "adaptive"}
-    assert (tmp_path / "selfcheck-cpu-profile.json").is_file() and (tmp_path / "selfcheck-cpu-policies" / "summary.md").is_file()
+    assert grid["copy_ks"]  # a copy's verification past the grid, measured with it
+    # the context stage measured the axis and put it into the saved profile, which the replay then priced with
+    context = json.loads((tmp_path / "selfcheck-cpu-context.json").read_text())["grid"]
+    saved = json.loads((tmp_path / "selfcheck-cpu-profile.json").read_text())["latency"]
+    assert saved["context"] == context and len(context["contexts"]) == 2
+    replay = json.loads((tmp_path / "selfcheck-cpu-replay.json").read_text())
+    assert set(replay["parts"]["e"]["policies"]) == {"fixed:1", "fixed:2", "budget"}
+    cells = json.loads((tmp_path / "selfcheck-cpu-replay-grid.json").read_text())["grid"]["cells"]
+    assert [(c["batch"], c["context"]) for c in cells] == [(2, 128)]
+    policies = json.loads((tmp_path / "selfcheck-cpu-policies" / "results.json").read_text())
+    assert set(policies["uniform"]["4"]) == {"none", "fixed:1", "fixed:2", "lut", "adaptive"}
+    assert (tmp_path / "selfcheck-cpu-policies" / "summary.md").is_file()
 
 
 def test_a_failing_check_makes_it_exit_1_and_the_others_still_run(tmp_path, monkeypatch, capsys):
@@ -65,3 +76,34 @@ def test_bad_settings_exit_2(tmp_path, capsys):
     if not torch.cuda.is_available():
         assert main(["selfcheck", "--device", "cuda"]) == 2
         assert "--device cpu" in capsys.readouterr().err
+
+
+def test_campaign_stages_run_apart_and_a_deadline_skips_the_rest(tmp_path, capsys):
+    """A lent GPU's minutes are few: stages run on their own (a later one reads the profile an earlier run saved),
+    and a stage that would start past --deadline is skipped, said, and leaves no files."""
+    stem = str(tmp_path / "sc")
+    base = ["selfcheck", "--device", "cpu", "--quick", "--full", "--checks", "", "--out", stem]
+    assert main([*base, "--stages", "context"]) == 2  # no profile yet: refused, not a crash
+    assert "run the campaign's profile stage first" in capsys.readouterr().err
+    assert not (tmp_path / "sc-context.json").exists()
+    assert main([*base, "--stages", "profile"]) == 0
+    assert not (tmp_path / "sc.json").exists()  # --checks '': the campaign alone
+    assert (tmp_path / "sc-profile.json").is_file() and not (tmp_path / "sc-context.json").exists()
+    assert main([*base, "--stages", "context,replay", "--deadline", "0"]) == 0
+    assert "context skipped" in capsys.readouterr().err and not (tmp_path / "sc-context.json").exists()
+    assert main([*base, "--stages", "replay"]) == 0  # on the saved profile
+    assert (tmp_path / "sc-replay.json").is_file()
+    assert main([*base, "--stages", "profile,nope"]) == 2
+    assert main(["selfcheck", "--device", "cpu", "--checks", "", "--out", stem]) == 2  # nothing to run
+
+
+def test_the_attention_backend_can_be_named_for_a_whole_process(monkeypatch):
+    from serve_app.engine import attention
+
+    assert attention.choose("auto", "cpu") == "gather"
+    monkeypatch.setenv("SPECSERVE_ATTENTION_BACKEND", "flex")
+    assert attention.choose("auto", "cpu") == "flex"
+    assert attention.choose("gather", "cpu") == "gather"  # a config's explicit choice wins
+    monkeypatch.setenv("SPECSERVE_ATTENTION_BACKEND", "nope")
+    with pytest.raises(ValueError, match="auto or one of"):
+        attention.choose("auto", "cpu")

@@ -262,6 +262,47 @@ def replay_grid(models, profile, policies: list[str], batches: list[int], docume
     return {"cells": cells}
 
 
+def schedules(tokenizer, parts: list[str], seed: int, scale: float) -> dict[str, list]:
+    """One seed's jobs for each named part: (b) time-varying chat, (d) mixed bursts, (e) long documents."""
+    import random
+
+    from serve_app.bench.policies import mixed_jobs, varying_jobs
+
+    out = {}
+    for name in parts:
+        if name == "b":
+            out[name] = varying_jobs(tokenizer, random.Random(seed), scale)[0]
+        elif name == "d":
+            out[name] = mixed_jobs(tokenizer, random.Random(seed + 1), scale)[0]
+        elif name == "e":
+            out[name] = long_jobs(tokenizer, random.Random(seed), scale)
+        else:
+            raise ValueError(f"unknown part {name!r} (b, d, e)")
+    return out
+
+
+def run_replay(models, profile, policies: list[str], parts: list[str], scale: float, seed: int = 0, seeds: int = 1,
+               batches: list[int] = (), contexts: list[int] = (), grid_rounds: int = 4) -> dict:
+    """`bench replay`: the parts' schedules from `seeds` seeds (from `seed` on) under every policy, paired over the
+    seeds, then the closed-loop grid (batches x contexts, each request of a cell its own document)."""
+    tok = models.tokenizer
+    seeded = [schedules(tok, parts, seed + i, scale) for i in range(seeds)]
+    contexts = list(contexts) if batches else []
+    requests = grid_rounds * max(list(batches) + [2])  # each request of the largest cell its own document
+    docs = {c: [document(tok, c, 1000 * c + 7919 * i) for i in range(requests)] for c in contexts}
+    res = {"gpu_type": profile.gpu_type, "target": profile.target, "draft": profile.draft, "policies": policies,
+           "scale": scale, "seed": seed, "seeds": seeds, "grid_rounds": grid_rounds}
+    with tqdm(total=sum(map(len, seeded)) * len(policies) + len(batches) * len(contexts) * len(policies), desc="replay",
+              unit="run") as bar:
+        runs = [replay_parts(models, profile, policies, jobs, bar=bar) for jobs in seeded]
+        res["parts"] = runs[0]
+        if seeds > 1 and runs[0]:
+            res["seeds"] = across_seeds(runs)
+        if batches:
+            res["grid"] = replay_grid(models, profile, policies, list(batches), docs, rounds=grid_rounds, bar=bar)
+    return res
+
+
 def markdown(res: dict, policies: list[str]) -> str:
     lines = [f"# Policies on a virtual clock: {res['gpu_type']} profile, target {res['target']}, draft {res['draft']}", "",
              "Deterministic: the engine, models and policies for real; each step's time from the profile's cost model "
@@ -303,4 +344,5 @@ def markdown(res: dict, policies: list[str]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Replay", "across_seeds", "closed_cell", "document", "long_jobs", "markdown", "replay", "replay_grid", "replay_parts"]
+__all__ = ["Replay", "across_seeds", "closed_cell", "document", "long_jobs", "markdown", "replay", "replay_grid", "replay_parts",
+           "run_replay", "schedules"]

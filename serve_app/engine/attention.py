@@ -20,6 +20,7 @@ attention`): results/bench-attention-cpu-2core.md.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -262,8 +263,12 @@ def attend(backend: str, q, k_pool, v_pool, lay, scaling) -> torch.Tensor:
 
 
 def choose(name: str, device, block_size: int = 16) -> str:
-    """The backend a worker on `device` runs: `name`, or for `auto` gather on a CPU and flex on CUDA if it
-    passes `probe` there at the pool's block size (compiles, and matches gather)."""
+    """The backend a worker on `device` runs: `name`, or for `auto` the SPECSERVE_ATTENTION_BACKEND
+    environment variable's backend where it names one (as vLLM's VLLM_ATTENTION_BACKEND: a whole process, its
+    profilers and benchmarks included, kept on one kernel), else gather on a CPU and flex on CUDA if it passes
+    `probe` there at the pool's block size (compiles, and matches gather)."""
+    if name == "auto":
+        name = os.environ.get("SPECSERVE_ATTENTION_BACKEND", "auto") or "auto"
     if name != "auto":
         if name not in BACKENDS:
             raise ValueError(f"attention backend must be auto or one of {BACKENDS}, got {name!r}")
