@@ -287,7 +287,7 @@ def _parser() -> argparse.ArgumentParser:
                     "steered by it")
     sc.add_argument("--checks", default=None, help="comma-separated subset: greedy, sampled, seeded, eagle3, attention, "
                                                    "syncs, kv, profile, step ('' with --full: the campaign alone)")
-    sc.add_argument("--stages", default=",".join(("attention", "profile", "context", "replay", "policies")),
+    sc.add_argument("--stages", default=None,
                     help="with --full: the campaign's stages to run, in this order: attention, profile, context (the "
                          "profile's context axis at 512 / 4k / 16k), replay ((e) and the grid on that profile), policies "
                          "(default: all)")
@@ -871,7 +871,8 @@ def _cmd_selfcheck(args) -> int:
     from serve_app.bench.campaign import STAGES, run_campaign
 
     names = None if args.checks is None else [c.strip() for c in args.checks.split(",") if c.strip()]
-    stages = [s.strip() for s in args.stages.split(",") if s.strip()] if args.full else []
+    stages = ([s.strip() for s in args.stages.split(",") if s.strip()] if args.stages is not None else list(STAGES)) \
+        if args.full else []
     if unknown := [s for s in stages if s not in STAGES]:
         raise UsageError(f"--stages: unknown stage(s) {unknown}: use some of {', '.join(STAGES)}")
     if names == [] and not stages:

@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from serve_app.bench.shapes import SHAPES, random_llama, vocab_tokenizer
 
 PLANS = {  # quick (a CPU, the suite): tiny shapes; full (a GPU): a whole-depth random Llama-3.1-8B
