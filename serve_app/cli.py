@@ -804,8 +804,8 @@ def _cmd_bench_replay(args) -> int:
     if args.grid_rounds < 1:
         raise UsageError("--grid-rounds must be >= 1")
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    if unknown := [p for p in parts if p not in ("b", "d", "e")]:
-        raise UsageError(f"--parts: unknown part {unknown[0]!r} (b, d, e)")
+    if unknown := [p for p in parts if p not in rp.PARTS]:
+        raise UsageError(f"--parts: unknown part {unknown[0]!r} ({', '.join(rp.PARTS)})")
     batches = int_list(args.grid_batches, "--grid-batches") if args.grid_batches else []
     contexts = int_list(args.grid_contexts, "--grid-contexts")
     models = load_models(_bench_model(args))

@@ -262,6 +262,10 @@ def replay_grid(models, profile, policies: list[str], batches: list[int], docume
     return {"cells": cells}
 
 
+PARTS = ("b", "d", "e")
+"""The parts a replay knows: (b) time-varying chat, (d) mixed bursts, (e) long documents."""
+
+
 def schedules(tokenizer, parts: list[str], seed: int, scale: float) -> dict[str, list]:
     """One seed's jobs for each named part: (b) time-varying chat, (d) mixed bursts, (e) long documents."""
     import random
@@ -277,7 +281,7 @@ def schedules(tokenizer, parts: list[str], seed: int, scale: float) -> dict[str,
         elif name == "e":
             out[name] = long_jobs(tokenizer, random.Random(seed), scale)
         else:
-            raise ValueError(f"unknown part {name!r} (b, d, e)")
+            raise ValueError(f"unknown part {name!r} ({', '.join(PARTS)})")
     return out
 
 
@@ -344,5 +348,5 @@ def markdown(res: dict, policies: list[str]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Replay", "across_seeds", "closed_cell", "document", "long_jobs", "markdown", "replay", "replay_grid", "replay_parts",
+__all__ = ["PARTS", "Replay", "across_seeds", "closed_cell", "document", "long_jobs", "markdown", "replay", "replay_grid", "replay_parts",
            "run_replay", "schedules"]
