@@ -30,6 +30,22 @@ def test_peaked_head_makes_sharp_distributions_and_eagle3_layers_fit():
     assert eagle3_layers(32) == [2, 16, 29] and eagle3_layers(2) == [0, 1, 2] and eagle3_layers(4) == [0, 2, 4]
 
 
+def test_quiet_deep_layers_let_a_truncated_draft_agree_at_any_depth():
+    from serve_app.models import truncated_draft
+
+    ids = torch.tensor(random_prompts(2, 32, 128256))
+
+    def agree(target) -> float:
+        with torch.no_grad():
+            return (target(ids).logits.argmax(-1) == truncated_draft(target, 1)(ids).logits.argmax(-1)).float().mean()
+
+    # unscaled, every random layer moves the residual stream: a deep target's first layer almost never agrees
+    assert agree(random_llama(SHAPES["tiny-128k"], 16)) < 0.2
+    quiet = random_llama(SHAPES["tiny-128k"], 16, quiet_from=1)
+    assert agree(quiet) > 0.6 and agree(random_llama(SHAPES["tiny-128k"], 4, quiet_from=1)) > 0.6
+    assert quiet.model.layers[0].mlp.down_proj.weight.std() > 5 * quiet.model.layers[1].mlp.down_proj.weight.std()
+
+
 def test_saved_shapes_load_as_the_actors_load_them(tmp_path):
     from serve_app.models import load_draft, load_target
 

@@ -1,8 +1,8 @@
 """The measured half of the GPU campaign (`specserve selfcheck --full`), after the checks: on random Llama models
 at real shapes and full depth, the attention backends, this device's profile and a short `bench policies` with it.
 
-A random target's layers barely move its residual stream (initial weights are small), so a draft made of its
-first layers (`truncated:N`, sharing its weights) agrees with it often: a pair that prices steps at the real
+The random target's layers past the draft's write quietly into its residual stream (`shapes.QUIET`), so a
+draft made of its first layers (`truncated:N`, sharing its weights) agrees with it often: a pair that prices steps at the real
 shape (an 8B target's forwards, a 128k-vocabulary head) and accepts drafts at a rate between a weak and a good
 draft's, with no download. The profile's best-k table then steers `lut` and `adaptive` in the policies run:
 the product's own loop (profile, then choose k per step) on the device, end to end. Only torch, transformers,
@@ -23,15 +23,18 @@ PLANS = {  # quick (a CPU, the suite): tiny shapes; full (a GPU): a whole-depth 
            "contexts": [64, 256], "context_batches": [1, 4], "context_ks": [0, 1, 2],
            "replay_parts": ["e"], "replay_scale": 0.1, "replay_seeds": 1, "replay_policies": ["fixed:1", "fixed:2", "budget"],
            "grid_batches": [2], "grid_contexts": [128]},
-    False: {"target": ("llama-3.1-8b", 32), "draft_layers": 2, "batches": [1, 8, 32, 64], "max_k": 6, "reps": 2,
+    False: {"target": ("llama-3.1-8b", 32), "draft_layers": 2, "batches": [1, 8, 32, 64], "max_k": 6, "reps": 4,
             "acceptance_prompts": 32, "policies_at": [1, 8, 32], "scale": 0.1,
             "contexts": [512, 4096, 16384], "context_batches": [1, 8, 32], "context_ks": [0, 1, 2, 4],
-            "replay_parts": ["e"], "replay_scale": 0.5, "replay_seeds": 1,
+            "replay_parts": ["e"], "replay_scale": 0.3, "replay_seeds": 1,
             "replay_policies": ["fixed:1", "fixed:2", "fixed:3", "fixed:4", "lut", "adaptive", "budget"],
             "grid_batches": [1, 8], "grid_contexts": [512, 3072]},
 }
-"""What each stage runs. The replay reads the campaign's documents ((e) and the grid: the embedded target's
-corpus ids, which the vocabulary tokenizer keeps); (b) and (d) are chat and JSON text, which it reads as <unk>."""
+"""What each stage runs. On the first lent H100 (results/selfcheck-NVIDIA_H100-*), with the gather backend pinned,
+the 8B grid's neighbouring cells came out up to 10x apart (flex's, the day before, within 10%): leave the backend
+to `auto`; four visits per cell, their median. The replay at scale 0.5 ran ~55 s per policy there, at 0.3 13-30 s.
+The replay reads the campaign's documents ((e) and the grid: the embedded target's corpus ids, which the vocabulary
+tokenizer keeps); (b) and (d) are chat and JSON text, which it reads as <unk>."""
 
 STAGES = ("attention", "profile", "context", "replay", "policies")
 """The campaign's stages in order: `bench attention` at 8B heads; this device's profile of the random pair; its
@@ -45,7 +48,8 @@ def random_pair(device: str, dtype: str, quick: bool):
 
     plan = PLANS[quick]
     shape, layers = plan["target"]
-    target = random_llama(SHAPES[shape], layers, seed=0, dtype=DTYPES[dtype], device=device)
+    target = random_llama(SHAPES[shape], layers, seed=0, dtype=DTYPES[dtype], device=device,
+                          quiet_from=plan["draft_layers"])
     draft = truncated_draft(target, plan["draft_layers"])
     name = f"random-{shape}-x{layers}"
     return LoadedModels(target, draft, vocab_tokenizer(SHAPES[shape].vocab_size), name, f"truncated:{plan['draft_layers']}")
@@ -98,7 +102,7 @@ def run_campaign(device: str, dtype: str, quick: bool, stem: str | None, stages:
             from serve_app.bench.context import bench_context, merge_into_profile
             from serve_app.profiling.profiles import load_profile
 
-            results, markdown = bench_context(models, plan["context_batches"], plan["context_ks"], plan["contexts"], 2,
+            results, markdown = bench_context(models, plan["context_batches"], plan["context_ks"], plan["contexts"], plan["reps"],
                                               left(), models.target_name)
             write("-context", results, markdown)
             merge_into_profile(str(profile_path), results["grid"])

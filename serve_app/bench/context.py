@@ -22,7 +22,8 @@ def random_models(spec: str, draft_layers: int, device: str, dtype: str):
     if shape not in SHAPES:
         raise ValueError(f"--random: unknown shape {shape!r} (known: {sorted(SHAPES)})")
     dtype = resolve_dtype(dtype, device)
-    target = random_llama(SHAPES[shape], int(layers or 2), seed=0, dtype=DTYPES[dtype], device=device)
+    target = random_llama(SHAPES[shape], int(layers or 2), seed=0, dtype=DTYPES[dtype], device=device,
+                          quiet_from=draft_layers)
     draft = truncated_draft(target, draft_layers)
     return LoadedModels(target, draft, vocab_tokenizer(SHAPES[shape].vocab_size), f"random-{shape}-x{layers or 2}",
                         f"truncated:{draft_layers}"), dtype
