@@ -451,6 +451,9 @@ def _parser() -> argparse.ArgumentParser:
     pf.add_argument("--copies-only", action="store_true",
                     help="keep the profile at --out: add its verification at --copy-ks, measured beside its grid's "
                          "longest k and scaled to them (--reps)")
+    pf.add_argument("--chunk-context-only", action="store_true",
+                    help="keep the profile at --out: add what a prompt chunk pays for the KV its row holds, measured on "
+                         "one prompt of --context tokens (default 2048) and scaled to its chunk price")
     pf.add_argument("--predict", metavar="GPU_TYPE", default=None,
                     help="measure nothing: write a profile marked `source: predicted` for GPU_TYPE from the roofline "
                          "model (serve_app/profiling/roofline.py); needs --acceptance-rate or --acceptance-from")
@@ -460,7 +463,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="--predict: take the acceptance from this measured profile of the same pair and dtype")
     pf.add_argument("--context", type=int, default=None,
                     help="--predict, --check-prediction: tokens of KV cache per sequence assumed in every cell "
-                         "(default: 512 for --predict, the profile's recorded mean context for --check-prediction)")
+                         "(default: 512 for --predict, the profile's recorded mean context for --check-prediction); "
+                         "--chunk-context-only: the prompt's length (default 2048)")
     pf.add_argument("--check-prediction", metavar="PROFILE", default=None,
                     help="measure this machine's bandwidth and matmul speed, predict PROFILE's latency grid for its "
                          "pair (--target/--draft) and compare per cell; --out: results stem "
@@ -788,7 +792,7 @@ def _cmd_bench_context(args) -> int:
                                       int_list(args.contexts, "--contexts"), args.reps, args.deadline, label)
     _write_bench(args, "context", results, markdown)
     if args.into:
-        merge_into_profile(args.into, results["grid"])
+        merge_into_profile(args.into, results["grid"], results["chunk_context"])
         print(f"context axis added to {args.into}")
     return 0
 
@@ -1030,8 +1034,10 @@ def _cmd_corpus(args) -> int:
 def _cmd_profile(args) -> int:
     from serve_app.profiling.profiler import plot_profile, run_profile
 
-    if sum(map(bool, (args.predict, args.check_prediction, args.acceptance_only))) > 1:
-        raise UsageError("--predict, --check-prediction and --acceptance-only are different runs: pass one")
+    if sum(map(bool, (args.predict, args.check_prediction, args.acceptance_only, args.copies_only,
+                      args.chunk_context_only))) > 1:
+        raise UsageError("--predict, --check-prediction, --acceptance-only, --copies-only and --chunk-context-only are "
+                         "different runs: pass one")
     if (args.acceptance_rate is not None or args.acceptance_from) and not args.predict:
         raise UsageError("--acceptance-rate / --acceptance-from only go with --predict (a measured profile measures it)")
     if args.context is not None and args.context < 0:
@@ -1086,6 +1092,20 @@ def _cmd_profile(args) -> int:
         print(f"verification at k = {g.copy_ks} added to {path} (scaled by {[round(f, 3) for f in found['factors']]}):")
         for b, row, top in zip(g.batch_sizes, g.copy_verify_ms, g.verify_ms):
             print(f"  batch {b}: k = {g.ks[-1]} {top[-1]:.1f} ms, " + ", ".join(f"k = {k} {v:.1f} ms" for k, v in zip(g.copy_ks, row)))
+        return 0
+    elif args.chunk_context_only:
+        from serve_app.profiling.profiler import remeasure_chunk_context
+
+        mc = ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
+        try:
+            profile, path, found = remeasure_chunk_context(mc, args.out, args.context or 2048)
+        except (ValueError, FileNotFoundError) as e:
+            raise UsageError(str(e)) from None
+        a, b = profile.latency.chunk_context_ms
+        n = found["budget"]
+        print(f"chunk context price added to {path}: a chunk of n tokens after s held pays s x ({a:.5f} + {b:.7f} n) ms "
+              f"(a {n}-token chunk after 2,048 tokens: {2048 * (a + b * n):.1f} ms more than at the start, "
+              f"{profile.latency.chunk_ms(1, n):.1f} ms)")
         return 0
     elif args.acceptance_only:
         from serve_app.profiling.profiler import remeasure_acceptance

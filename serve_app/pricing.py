@@ -131,6 +131,12 @@ class LatencyGrid(BaseModel):
     """chunk_draft_step_ms[i]: the draft's part of chunk_step_ms[i] (what an engine without a draft saves)."""
     chunk_draft_ms_per_token: list[float] | None = None
     """chunk_draft_ms_per_token[i]: the draft's part of chunk_ms_per_token[i]."""
+    chunk_context_ms: list[float] | None = None
+    """[per held token, per held token x chunk token]: what a prompt chunk pays for the KV its row already holds
+    (its earlier chunks, a cached prefix), beyond the chunk price above (measured from context 0): a chunk of n
+    tokens after s held adds s * (first + second * n) ms. Attention reads the held tokens once per chunk (the
+    gather backend copies them) and once per chunk token. On this CPU a 128-token chunk after 2,700 tokens cost
+    3.6x one at the start (`profiling.context.measure_chunk_context`). None: chunks priced as at context 0."""
     chunk_budget: int | None = Field(None, ge=1)
     """The step's token budget (`max_num_batched_tokens`) the chunk price was measured with."""
     chunk_prompt_tokens: int | None = Field(None, ge=1)
@@ -182,6 +188,8 @@ class LatencyGrid(BaseModel):
                     raise ValueError(f"{name} needs one value >= 0 per batch size {self.batch_sizes}")
             if (chunk["chunk_draft_step_ms"] is None) != (chunk["chunk_draft_ms_per_token"] is None):
                 raise ValueError("chunk_draft_step_ms and chunk_draft_ms_per_token come together")
+        if self.chunk_context_ms is not None and (len(self.chunk_context_ms) != 2 or min(self.chunk_context_ms) < 0):
+            raise ValueError("chunk_context_ms needs two values >= 0: ms per held token, per held token x chunk token")
         if (self.copy_ks is None) != (self.copy_verify_ms is None):
             raise ValueError("copy_ks and copy_verify_ms come together")
         if self.copy_ks is not None:
@@ -232,6 +240,14 @@ class LatencyGrid(BaseModel):
             per_token = [max(t - d, 0.0) for t, d in zip(per_token, self.chunk_draft_ms_per_token)]
         return (_interpolate(self.batch_sizes, fixed, batch_size)
                 + _interpolate(self.batch_sizes, per_token, batch_size) * prompt_tokens)
+
+    def chunk_context_cost(self, chunks) -> float:
+        """Milliseconds the chunks (KV tokens their row held, tokens fed) pay for what their rows held, beyond
+        `chunk_ms` (`chunk_context_ms`); 0 where it was not measured."""
+        if not self.chunk_context_ms:
+            return 0.0
+        per_held, per_pair = self.chunk_context_ms
+        return sum(held * (per_held + per_pair * n) for held, n in chunks)
 
     def step_ms(self, batch_size: int, context: float | None = None) -> list[float]:
         """Step latency per k at any batch size: linear between measured sizes, extended beyond them; at

@@ -193,3 +193,64 @@ def test_the_engine_hands_the_policy_each_rows_context():
     engine.run(reqs)
     assert seen[0] == (4, 31)  # prompt + the first token each
     assert all(len(c) == 2 for c in seen)
+
+
+def test_a_prompt_chunk_is_priced_at_the_kv_its_row_holds():
+    """A chunk's attention reads everything its row already holds: the engine records each chunk's (held, fed),
+    the cost model and the calibration price it, and the calibrated chunk factor measures the machine alone."""
+    from serve_app.profiling.calibration import step_cost_ms
+
+    g = grid().model_copy(update={"chunk_step_ms": [5.0, 5.0], "chunk_ms_per_token": [0.1, 0.1], "chunk_budget": 128,
+                                  "chunk_prompt_tokens": 16})
+    late, early = (StepStats(prefill_tokens=100, chunks=((held, 100),)) for held in (2000, 0))
+    assert step_cost_ms(g, late) == pytest.approx(step_cost_ms(g, early))  # without the term: as at the start
+    priced = g.model_copy(update={"chunk_context_ms": [0.01, 0.0002]})
+    assert step_cost_ms(priced, early) == step_cost_ms(g, early)
+    assert step_cost_ms(priced, late) == pytest.approx(step_cost_ms(g, early) + 2000 * (0.01 + 0.0002 * 100))
+    assert priced.chunk_context_cost([(0, 128), (300, 8)]) == pytest.approx(300 * (0.01 + 0.0002 * 8))
+    with pytest.raises(ValueError, match="chunk_context_ms"):
+        g.model_copy(update={"chunk_context_ms": [0.01]}).model_validate(
+            {**g.model_dump(), "chunk_context_ms": [0.01]})
+    # a machine exactly as fast as the profile, prefilling late chunks: the chunk factor stays 1 with the term,
+    # reads the context as a slow machine without it
+    with_term, without = Calibration(priced, warmup=0), Calibration(g, warmup=0)
+    for i in range(20):
+        held = 256 * i
+        st = StepStats(prefill_tokens=128, chunks=((held, 128),), verify_s=step_cost_ms(
+            priced, StepStats(prefill_tokens=128, chunks=((held, 128),))) / 1000)
+        with_term.observe(st)
+        without.observe(st)
+    assert with_term.factors()["chunk"][1] == pytest.approx(1.0, rel=1e-3)
+    assert without.factors()["chunk"][1] > 2.0
+    assert with_term.grid().chunk_context_ms == pytest.approx(priced.chunk_context_ms)
+
+
+def test_the_engine_records_each_chunks_held_kv():
+    target = tiny_llama(97, layers=1, seed=0)
+    engine = Engine(ModelWorker(target, "target"), None, IdTokenizer(),
+                    EngineConfig(max_batch_size=2, max_num_batched_tokens=64, max_k=0, prefix_caching=False), eos_ids=set())
+    seen = []
+    engine.on_step.append(seen.append)
+    engine.submit([1 + i % 90 for i in range(150)], SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+    assert [st.chunks for st in seen if st.prefill_tokens] == [((0, 64),), ((64, 64),), ((128, 22),)]
+    assert all(st.chunks == () for st in seen if not st.prefill_tokens)
+
+
+def test_measure_chunk_context_fits_both_parts_and_scales_to_a_profile(tmp_path):
+    from serve_app.bench.context import merge_into_profile
+    from serve_app.models import LoadedModels
+    from serve_app.profiling.context import measure_chunk_context
+
+    target, draft = tiny_llama(97, layers=2, seed=0), tiny_llama(97, layers=1, seed=1)
+    models = LoadedModels(target, draft, IdTokenizer(), "tiny", "tiny-draft")
+    got = measure_chunk_context(models, 192, 16)
+    assert got["chunk_sizes"] == [16, 4] and len(got["chunk_context_ms"]) == 2 and got["at_zero_ms"] > 0
+    assert min(got["chunk_context_ms"]) >= 0
+    path = tmp_path / "p.json"
+    shutil.copy(ROOT / "profiles" / "cpu-2core.json", path)
+    alone = lambda g: g.chunk_ms(1, 16) + sum(g.part_at(p, 1, 0) for p in ("draft", "verify", "other"))  # noqa: E731
+    merge_into_profile(str(path), grid().context.model_dump(), {**got, "chunk_context_ms": [0.02, 0.0004],
+                                                                "at_zero_ms": 2 * alone(load_profile(path).latency)})
+    assert load_profile(path).latency.chunk_context_ms == pytest.approx([0.01, 0.0002])  # this machine ran 2x slow

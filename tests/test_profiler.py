@@ -180,6 +180,23 @@ def test_copies_only_adds_the_copy_columns_scaled_to_the_grid_and_keeps_the_rest
     assert "past the grid's longest k, 3" in capsys.readouterr().err
 
 
+def test_chunk_context_only_adds_the_chunks_context_price_and_keeps_the_rest(tiny_profile, tiny_model_dirs,
+                                                                             tmp_path, capsys):
+    """`specserve profile --chunk-context-only`: a measured profile gets `chunk_context_ms` (what a prompt chunk
+    pays for the KV its row holds), everything else kept; it is one run of its own."""
+    before = json.loads(tiny_profile.read_text())
+    path = tmp_path / "p.json"
+    path.write_text(tiny_profile.read_text())
+    pair = ["--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"]]
+    assert main(["profile", "--chunk-context-only", *pair, "--context", "160", "--out", str(path)]) == 0
+    assert "chunk context price added" in capsys.readouterr().out
+    p = load_profile(path)
+    assert len(p.latency.chunk_context_ms) == 2 and min(p.latency.chunk_context_ms) >= 0
+    assert "--chunk-context-only" in p.notes and p.acceptance == before["acceptance"]
+    assert p.latency.model_dump() | {"chunk_context_ms": None} == load_profile(tiny_profile).latency.model_dump()
+    assert main(["profile", "--chunk-context-only", "--copies-only", *pair, "--out", str(path)]) == 2
+
+
 def test_profile_errors_exit_2(tmp_path, tiny_model_dirs, tiny_profile, capsys):
     from test_cli import GOOD, run
 

@@ -32,7 +32,9 @@ def test_a_steps_cost_is_the_grid_at_its_forwards_tokens_and_prefill():
     st = StepStats(batch_size=8, k=4, draft_forwards=2, proposed=8 * 3, prefill_tokens=40)
     # draft: 2 forwards at batch 8 = 12; verify at 3 tokens a row = 30 + 24; other 1; prefill 5 + 40 x 0.1
     assert step_cost_ms(GRID, st) == pytest.approx(12 + 54 + 1 + 9)
-    assert step_cost_ms(GRID, StepStats(prefill_tokens=16)) == pytest.approx(5 + 1.6)  # a prefill alone
+    # a prefill alone: the chunk and the forward a k = 0 step at batch 1 costs (as calibration prices it)
+    assert step_cost_ms(GRID, StepStats(prefill_tokens=16)) == pytest.approx(5 + 1.6 + sum(
+        getattr(GRID, f"{part}_ms")[0][0] for part in ("draft", "verify", "other")))
 
 
 def test_replay_is_deterministic_and_its_clock_is_the_cost_models(models):

@@ -105,7 +105,7 @@ def run_campaign(device: str, dtype: str, quick: bool, stem: str | None, stages:
             results, markdown = bench_context(models, plan["context_batches"], plan["context_ks"], plan["contexts"], plan["reps"],
                                               left(), models.target_name)
             write("-context", results, markdown)
-            merge_into_profile(str(profile_path), results["grid"])
+            merge_into_profile(str(profile_path), results["grid"], results["chunk_context"])
             profile = load_profile(profile_path)
         elif stage == "replay":
             from serve_app.bench import replay as rp

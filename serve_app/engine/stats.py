@@ -62,6 +62,9 @@ class StepStats(Acceptance):
     `EngineConfig.max_num_batched_tokens`."""
     prefill_tokens: int = 0
     """Prompt tokens prefilled (in chunks) this step."""
+    chunks: tuple[tuple[int, int], ...] = ()
+    """(KV tokens the row already held, prompt tokens fed) per prompt chunk this step: a chunk's attention reads
+    all its row held, so its price grows with the first (`LatencyGrid.chunk_context_ms`)."""
     prefix_queried: int = 0
     """Prompt tokens of the admitted requests looked up in the prefix cache (whole blocks)."""
     prefix_hits: int = 0

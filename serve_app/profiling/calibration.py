@@ -121,6 +121,7 @@ class Calibration:
         predicted = self.base.chunk_ms(max(st.batch_size, 1), st.prefill_tokens, st.draft_s > 0)
         if not predicted or predicted < 0.5:
             return False
+        predicted += self.base.chunk_context_cost(st.chunks)  # the factor measures the machine, not the context
         i0, i1, w = between if st.batch_size else (0, 0, 0.0)  # prefill alone: a k = 0 step at batch 1
         jj = j if st.batch_size else 0  # (as `simulate.Replica.step` prices it)
         decode = tuple(rows[i0][jj] + w * (rows[i1][jj] - rows[i0][jj])
@@ -195,6 +196,8 @@ class Calibration:
             values = getattr(self.base, name)
             if values is not None:
                 scaled[name] = [v * self.factor(CHUNK, i) for i, v in enumerate(values)]
+        if self.base.chunk_context_ms is not None:  # one pair for every batch size: the smallest's factor
+            scaled["chunk_context_ms"] = [v * self.factor(CHUNK, 0) for v in self.base.chunk_context_ms]
         grid = self.base.model_copy(update=scaled)
         self._made = (self.used, grid)
         return grid
@@ -215,12 +218,13 @@ class Calibration:
 def step_cost_ms(grid: LatencyGrid, st: StepStats) -> float:
     """What the grid says a step took, priced the way calibration prices it: the draft by the forwards it ran,
     verification and the rest by the mean tokens drafted per row, each at the step's context, plus the chunked
-    prefill's price for the prompt tokens it fed. The cost model of `bench replay`'s virtual clock."""
+    prefill's price for the prompt tokens it fed, at the KV their rows held. The cost model of `bench replay`'s virtual clock."""
     b = st.batch_size
     draft = st.draft_s > 0 or st.draft_forwards > 0 or st.k > 0
-    prefill = (grid.chunk_ms(max(b, 1), st.prefill_tokens, draft) or 0.0) if st.prefill_tokens else 0.0
-    if not b:
-        return prefill
+    prefill = ((grid.chunk_ms(max(b, 1), st.prefill_tokens, draft) or 0.0) + grid.chunk_context_cost(st.chunks)
+               if st.prefill_tokens else 0.0)
+    if not b:  # a prefill alone still runs a whole forward: a k = 0 step at batch 1 and the chunk (as calibration
+        return prefill + sum(grid.part_at(part, 1, 0) for part in PARTS)  # and `simulate` price it)
     context = grid.step_context(st.contexts)
     forwards = st.draft_forwards or st.k
     k_rows = st.proposed / b

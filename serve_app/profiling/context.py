@@ -122,6 +122,64 @@ def measure_context(models, batch_sizes: list[int], ks: list[int], contexts: lis
                        backend=backend)
 
 
+def measure_chunk_context(models, context: int, budget: int, seed: int = 0, reps: int = 3) -> dict:
+    """`LatencyGrid.chunk_context_ms`: a prompt of `context` random tokens prefilled alone, in chunks of `budget`
+    tokens (at most context / 8) and of budget / 4, `reps` times each (interleaved, after a warm-up pass); each chunk step's time against
+    the KV its row held before it gives a line per pass, and the two chunk sizes' median slopes (ms per held token)
+    give the parts: a chunk of n tokens after s held pays s * (a + b * n). Also a whole chunk's price at context 0
+    (the lines' median intercept: `at_zero_ms`), by which a merge scales the pair to a profile (`scaled_to`)."""
+    from serve_app.pricing import line
+    from serve_app.profiling.profiler import _engine as grid_engine
+
+    rng = random.Random(seed)
+    vocab = models.target.config.vocab_size
+    limit = getattr(models.target.config, "max_position_embeddings", None) or context + 2
+    budget = max(min(budget, context // 8), 4)  # 8 chunks or more for each line
+    sizes = (budget, max(budget // 4, 1))
+    slopes: dict[int, list[float]] = {n: [] for n in sizes}
+    intercepts: list[float] = []
+    for rep in range(reps + 1):
+        for size in sizes:
+            prompt = [rng.randrange(min(100, vocab // 4), max(vocab - 100, vocab // 2)) for _ in range(context)]
+            engine = grid_engine(models, 1, 0, context + 2, size, max(min(context + 2, limit), 2))
+            seen: list[StepStats] = []
+            engine.on_step.append(seen.append)
+            engine.submit(prompt if rep else prompt[: 4 * size], SamplingParams(max_tokens=1, ignore_eos=True))
+            while engine.has_work():
+                engine.step()
+            del engine
+            gc.collect()
+            if not rep:  # the warm-up pass: a fresh process's first forwards run slow
+                continue
+            # whole chunks past the first (a new engine's first forward runs slow)
+            points = [(st.chunks[0][0], 1000 * (st.draft_s + st.verify_s + st.other_s)) for st in seen
+                      if len(st.chunks) == 1 and st.chunks[0][1] == size][1:]
+            if len(points) < 3:
+                raise ValueError(f"{context} tokens in chunks of {size} give {len(points)} chunks past the first: "
+                                 f"too few for a line (a longer context)")
+            intercept, slope = line([p[0] for p in points], [p[1] for p in points])
+            slopes[size].append(slope)
+            if size == budget:
+                intercepts.append(intercept)
+    whole, part = (max(statistics.median(slopes[n]), 0.0) for n in sizes)
+    per_pair = max((whole - part) / (sizes[0] - sizes[1]), 0.0)
+    per_held = max(whole - per_pair * sizes[0], 0.0)
+    return {"chunk_context_ms": [per_held, per_pair], "at_zero_ms": round(max(statistics.median(intercepts), 1e-3), 3),
+            "budget": budget, "context": context, "slopes": {n: [round(x, 6) for x in v] for n, v in slopes.items()},
+            "chunk_sizes": list(sizes)}
+
+
+def scaled_to(measured: dict, grid) -> list[float]:
+    """A measured chunk-context pair (`measure_chunk_context`) in the units of a latency grid measured on another
+    day or machine: scaled by the grid's price of a whole chunk prefilled alone at context 0 (the chunk and a k = 0
+    step's forward, as `calibration.step_cost_ms` prices it) over the one measured beside it."""
+    price = grid.chunk_ms(1, measured["budget"]) if grid.chunk_ms_per_token is not None else None
+    if price:
+        price += sum(grid.part_at(part, 1, 0) for part in ("draft", "verify", "other"))
+    ratio = price / measured["at_zero_ms"] if price and measured["at_zero_ms"] > 0 else 1.0
+    return [round(v * ratio, 8) for v in measured["chunk_context_ms"]]
+
+
 def context_table(grid: ContextGrid) -> str:
     """Markdown: verification and draft ms per (context, batch) at each k, and each k's verify cost relative to
     the shortest context."""
@@ -139,4 +197,4 @@ def context_table(grid: ContextGrid) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["PREFILL_BUDGET", "context_table", "measure_context"]
+__all__ = ["PREFILL_BUDGET", "context_table", "measure_chunk_context", "measure_context", "scaled_to"]

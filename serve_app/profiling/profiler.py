@@ -322,6 +322,30 @@ def remeasure_copies(mc: ModelConfig, path: str | None, copy_ks: list[int], reps
     return profile, out_path, {"factors": factors, "measured": now.model_dump()}
 
 
+def remeasure_chunk_context(mc: ModelConfig, path: str | None, context: int) -> tuple[Profile, Path, dict]:
+    """`specserve profile --chunk-context-only`: add what a prompt chunk pays for the KV its row holds
+    (`LatencyGrid.chunk_context_ms`, `profiling.context.measure_chunk_context` on a prompt of `context` tokens) to
+    an existing measured profile, scaled to its chunk price (this machine runs today at its own speed)."""
+    from serve_app.profiling.context import measure_chunk_context, scaled_to
+
+    out_path = Path(path or f"profiles/{detect_gpu_type()}.json")
+    profile = load_profile(out_path)
+    grid = profile.latency
+    if profile.source != "measured" or grid is None or grid.chunk_ms_per_token is None:
+        raise ValueError(f"{out_path} is not a measured profile with a chunk price: measure it whole (`specserve profile`)")
+    models = _pair_of(profile, mc, "measuring the chunks' context price")
+    torch.manual_seed(0)
+    found = measure_chunk_context(models, context, grid.chunk_budget or BUDGET)
+    pair = scaled_to(found, grid)
+    note = (f"; chunk_context_ms measured by `specserve profile --chunk-context-only` on {socket.gethostname()} at "
+            f"{datetime.now(timezone.utc).isoformat(timespec='seconds')} (a {context}-token prompt in chunks of "
+            f"{found['chunk_sizes']}; a whole chunk at the start {found['at_zero_ms']} ms there, scaled to the grid's)")
+    latency = grid.model_copy(update={"chunk_context_ms": pair})
+    profile = Profile.model_validate(profile.model_dump() | {"latency": latency.model_dump(), "notes": profile.notes + note})
+    save_profile(profile, out_path)
+    return profile, out_path, found
+
+
 def measure_profile(models: LoadedModels, target: str, draft: str, dtype: str, device: str, batch_sizes: list[int],
                     max_k: int, reps: int, num_prompts: int, max_tokens: int, copy_ks: list[int] = ()) -> Profile:
     """This machine's profile of a loaded pair (named target / draft): latency grid (with the verification at

@@ -129,7 +129,8 @@ class Replica:
         if decoding and k and self.last_k == 0:  # resuming speculation: the draft feeds the tokens it skipped
             ms += grid.resume_at(len(decoding))
         if prefill_tokens:
-            ms += grid.chunk_ms(max(len(decoding), 1), prefill_tokens, self.draft) or 0.0
+            ms += (grid.chunk_ms(max(len(decoding), 1), prefill_tokens, self.draft) or 0.0) + \
+                grid.chunk_context_cost([(job.prefilled, n) for job, n in chunks])
         duration = max(ms / 1000, 1e-6)
         if decoding:
             self._decode(decoding, k, step_parts(grid, len(decoding), k), prefill_tokens)
