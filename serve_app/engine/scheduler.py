@@ -326,8 +326,7 @@ class Engine:
             proposal = with_predictions(proposal, drafting, predicted, [r.params for r in self.running])
         drafted = sum(proposal.row_lengths())
         chunks = self._plan_chunks(budget - len(ids) - drafted)
-        held = {r.id: r.prefilled for r in self.prefilling}
-        st.chunks = tuple((held[rid], n) for rid, n in chunks.items())
+        st.chunks = tuple((r.prefilled, chunks[r.id]) for r in self.prefilling if r.id in chunks)
         if ids or chunks:
             t = time.perf_counter()
             verdict = self.target.verify(ids, proposal, chunks or None)

@@ -218,7 +218,8 @@ class Calibration:
 def step_cost_ms(grid: LatencyGrid, st: StepStats) -> float:
     """What the grid says a step took, priced the way calibration prices it: the draft by the forwards it ran,
     verification and the rest by the mean tokens drafted per row, each at the step's context, plus the chunked
-    prefill's price for the prompt tokens it fed, at the KV their rows held. The cost model of `bench replay`'s virtual clock."""
+    prefill's price for the prompt tokens it fed, at the KV their rows held. The cost model of `bench replay`'s
+    virtual clock."""
     b = st.batch_size
     draft = st.draft_s > 0 or st.draft_forwards > 0 or st.k > 0
     prefill = ((grid.chunk_ms(max(b, 1), st.prefill_tokens, draft) or 0.0) + grid.chunk_context_cost(st.chunks)

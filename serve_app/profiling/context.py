@@ -124,9 +124,9 @@ def measure_context(models, batch_sizes: list[int], ks: list[int], contexts: lis
 
 def measure_chunk_context(models, context: int, budget: int, seed: int = 0, reps: int = 3) -> dict:
     """`LatencyGrid.chunk_context_ms`: a prompt of `context` random tokens prefilled alone, in chunks of `budget`
-    tokens (at most context / 8) and of budget / 4, `reps` times each (interleaved, after a warm-up pass); each chunk step's time against
-    the KV its row held before it gives a line per pass, and the two chunk sizes' median slopes (ms per held token)
-    give the parts: a chunk of n tokens after s held pays s * (a + b * n). Also a whole chunk's price at context 0
+    tokens (at most context / 8) and of budget / 4, `reps` times each (interleaved, after a warm-up pass); each
+    chunk step's time against the KV its row held before it gives a line per pass, and the two chunk sizes' median
+    slopes (ms per held token) give the parts: a chunk of n tokens after s held pays s * (a + b * n). Also a whole chunk's price at context 0
     (the lines' median intercept: `at_zero_ms`), by which a merge scales the pair to a profile (`scaled_to`)."""
     from serve_app.pricing import line
     from serve_app.profiling.profiler import _engine as grid_engine
