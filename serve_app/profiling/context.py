@@ -35,12 +35,19 @@ PREFILL_BUDGET = 8192
 16k-token row's logits and activations stay modest."""
 
 
-def _engine(models, batch: int, max_k: int, need: int) -> Engine:
+def _engine(models, batch: int, max_k: int, need: int, budget: int | None = None) -> Engine:
+    """A measuring engine for `batch` rows of up to `need` tokens, `budget` tokens a step (default: PREFILL_BUDGET)."""
     from serve_app.profiling.profiler import _engine as grid_engine
 
     # the context limit the rows need (the engine's default stops at 4k), within what the model allows
     limit = getattr(models.target.config, "max_position_embeddings", None) or need
-    return grid_engine(models, batch, max_k, need, max(PREFILL_BUDGET, batch * (max_k + 1)), max(min(need, limit), 2))
+    budget = max(PREFILL_BUDGET, batch * (max_k + 1)) if budget is None else budget
+    return grid_engine(models, batch, max_k, need, budget, max(min(need, limit), 2))
+
+
+def _random_ids(rng: random.Random, vocab: int, n: int) -> list[int]:
+    """n random token ids away from both ends of the vocabulary (special tokens sit there)."""
+    return [rng.randrange(min(100, vocab // 4), max(vocab - 100, vocab // 2)) for _ in range(n)]
 
 
 def measure_context(models, batch_sizes: list[int], ks: list[int], contexts: list[int], reps: int = 2,
@@ -51,7 +58,6 @@ def measure_context(models, batch_sizes: list[int], ks: list[int], contexts: lis
     models = dataclasses.replace(models, prompt_lookup=False)
     rng = random.Random(seed)
     vocab = models.target.config.vocab_size
-    low, high = min(100, vocab // 4), max(vocab - 100, vocab // 2)
     steps_per_round = sum(2 * (k + 1) for k in ks) + 2
     warmup = sum(k + 1 for k in ks)
     start = time.perf_counter()
@@ -74,7 +80,7 @@ def measure_context(models, batch_sizes: list[int], ks: list[int], contexts: lis
                     if b * need > engine.kv_capacity:  # the rows would wait for each other's KV forever
                         raise ValueError(f"{b} rows of {need} tokens need more KV than the pool's "
                                          f"{engine.kv_capacity} tokens")
-                    reqs = [engine.submit([rng.randrange(low, high) for _ in range(c)], params) for _ in range(b)]
+                    reqs = [engine.submit(_random_ids(rng, vocab, c), params) for _ in range(b)]
                     seen: list[StepStats] = []
                     engine.on_step.append(seen.append)
                     while any(r not in engine.running for r in reqs):
@@ -126,22 +132,21 @@ def measure_chunk_context(models, context: int, budget: int, seed: int = 0, reps
     """`LatencyGrid.chunk_context_ms`: a prompt of `context` random tokens prefilled alone, in chunks of `budget`
     tokens (at most context / 8) and of budget / 4, `reps` times each (interleaved, after a warm-up pass); each
     chunk step's time against the KV its row held before it gives a line per pass, and the two chunk sizes' median
-    slopes (ms per held token) give the parts: a chunk of n tokens after s held pays s * (a + b * n). Also a whole chunk's price at context 0
-    (the lines' median intercept: `at_zero_ms`), by which a merge scales the pair to a profile (`scaled_to`)."""
+    slopes (ms per held token) give the parts: a chunk of n tokens after s held pays s * (a + b * n). Also a whole
+    chunk's price at context 0 (the lines' median intercept: `at_zero_ms`), by which a merge scales the pair to a
+    profile (`scaled_to`)."""
     from serve_app.pricing import line
-    from serve_app.profiling.profiler import _engine as grid_engine
 
     rng = random.Random(seed)
     vocab = models.target.config.vocab_size
-    limit = getattr(models.target.config, "max_position_embeddings", None) or context + 2
     budget = max(min(budget, context // 8), 4)  # 8 chunks or more for each line
     sizes = (budget, max(budget // 4, 1))
     slopes: dict[int, list[float]] = {n: [] for n in sizes}
     intercepts: list[float] = []
     for rep in range(reps + 1):
         for size in sizes:
-            prompt = [rng.randrange(min(100, vocab // 4), max(vocab - 100, vocab // 2)) for _ in range(context)]
-            engine = grid_engine(models, 1, 0, context + 2, size, max(min(context + 2, limit), 2))
+            prompt = _random_ids(rng, vocab, context)
+            engine = _engine(models, 1, 0, context + 2, size)
             seen: list[StepStats] = []
             engine.on_step.append(seen.append)
             engine.submit(prompt if rep else prompt[: 4 * size], SamplingParams(max_tokens=1, ignore_eos=True))
