@@ -227,6 +227,8 @@ def _parser() -> argparse.ArgumentParser:
     br.add_argument("--grid-contexts", default="64,512,2048", help="the grid's document lengths in tokens")
     br.add_argument("--grid-rounds", type=int, default=4, help="requests per stream in each grid cell (each its own "
                                                                "document)")
+    br.add_argument("--deadline", type=float, default=None, help="seconds: grid cells not started by then stay empty "
+                                                                  "(named in the results)")
     br.add_argument("--seed", type=int, default=0)
     br.add_argument("--seeds", type=int, default=1, help="schedules drawn from this many seeds (from --seed on), every "
                                                          "policy on each: paired ratios over seeds with intervals")
@@ -818,7 +820,7 @@ def _cmd_bench_replay(args) -> int:
         raise UsageError("replay needs a profile with a latency grid (its cost model)")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     res = rp.run_replay(models, profile, policies, parts, args.scale, args.seed, args.seeds, batches, contexts,
-                        args.grid_rounds)
+                        args.grid_rounds, args.deadline)
     _write_bench(args, "replay", res, rp.markdown(res, policies))
     return 0
 

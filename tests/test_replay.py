@@ -2,15 +2,16 @@
 twice gives the same figures), the clock is the cost model's sum, and the work is counted per step."""
 
 import random
+import time
 
 import pytest
 
 from conftest import IdTokenizer, perturbed, tiny_llama
 from serve_app.bench.policies import Job
-from serve_app.bench.replay import closed_cell, replay, replay_parts
+from serve_app.bench.replay import OnClock, _engine, closed_cell, markdown, replay, replay_grid, replay_parts
 from serve_app.engine.stats import StepStats
 from serve_app.models import LoadedModels
-from serve_app.profiling.calibration import step_cost_ms
+from serve_app.profiling.calibration import Calibrated, step_cost_ms, step_parts_ms
 from serve_app.pricing import LatencyGrid
 from serve_app.profiling.profiles import Profile
 
@@ -52,6 +53,42 @@ def test_replay_is_deterministic_and_its_clock_is_the_cost_models(models):
     assert res["best_fixed"] in ("fixed:1", "fixed:2")
     assert res["policies"][res["best_fixed"]]["vs_best_fixed"] == 1.0
     assert closed_cell(models, PROFILE, "fixed:2", 4, [list(range(3, 40))], 8, 8) > 0
+
+
+def test_replayed_policies_run_as_served_and_calibrate_on_the_clock(models):
+    """lut as a Router serves it: calibrated online, a neighbouring k every 8th step. Its steps read the replay's
+    clock (not this machine's wall time), so calibration finds the clock exactly (every factor 1) and the run
+    stays deterministic."""
+    engine = _engine(models, PROFILE, "lut", 4)
+    assert isinstance(engine.policy, OnClock) and isinstance(engine.policy.inner, Calibrated)
+    seen = []
+    engine.on_step.append(seen.append)
+    rng = random.Random(1)
+    for _ in range(2):
+        engine.submit([rng.randrange(3, 90) for _ in range(9)], Job([1], 48).params())
+    while engine.has_work():
+        engine.step()
+    decode = [st for st in seen if st.batch_size]
+    for st in decode:
+        parts = step_parts_ms(GRID, st)
+        assert (st.draft_s, st.verify_s, st.other_s) == pytest.approx(tuple(ms / 1000 for ms in parts))
+        assert sum(parts) == pytest.approx(step_cost_ms(GRID, st))
+    assert {st.k for st in decode} > {2}  # batch 2 runs best_k[1] = 4 and, exploring, its neighbours
+    factors = engine.policy.inner.calibration.factors()
+    assert all(f == pytest.approx(1.0) for part in factors.values() for f in part.values()), factors
+
+
+def test_the_grid_starts_no_cell_past_its_deadline_and_names_those_it_left(models):
+    """A lent GPU's call keeps only what it wrote: a grid that ran past its timeout lost every cell. Past the
+    deadline no cell starts; the results and their markdown say which were left."""
+    docs = {24: [list(range(3, 27))] * 4, 48: [list(range(5, 53))] * 4}
+    whole = replay_grid(models, PROFILE, ["fixed:1", "adaptive"], [2], docs, max_tokens=6, rounds=1)
+    assert [c["context"] for c in whole["cells"]] == [24, 48] and "skipped" not in whole
+    late = replay_grid(models, PROFILE, ["fixed:1", "adaptive"], [2], docs, max_tokens=6, rounds=1,
+                       deadline=time.monotonic())
+    assert late["cells"] == [] and late["skipped"] == [{"batch": 2, "context": 24}, {"batch": 2, "context": 48}]
+    text = markdown({"gpu_type": "virtual", "target": "t", "draft": "d", "grid": late}, ["fixed:1", "adaptive"])
+    assert "Not run (past the deadline): batch 2 x 24 tokens, batch 2 x 48 tokens." in text
 
 
 def test_across_seeds_pairs_each_policy_with_every_fixed_k_seed_by_seed():

@@ -118,7 +118,7 @@ def run_campaign(device: str, dtype: str, quick: bool, stem: str | None, stages:
                 print("campaign: the replay's grid skipped (past the deadline)", file=sys.stderr, flush=True)
                 continue
             res = rp.run_replay(models, profile, policies, [], 0.0, batches=plan["grid_batches"],
-                                contexts=plan["grid_contexts"], grid_rounds=2)
+                                contexts=plan["grid_contexts"], grid_rounds=2, deadline_s=left())
             write("-replay-grid", res, rp.markdown(res, policies))
         elif stage == "policies":
             from serve_app.bench.policies import bench_policies

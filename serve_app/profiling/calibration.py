@@ -215,22 +215,28 @@ class Calibration:
                    default=0.0)
 
 
-def step_cost_ms(grid: LatencyGrid, st: StepStats) -> float:
-    """What the grid says a step took, priced the way calibration prices it: the draft by the forwards it ran,
-    verification and the rest by the mean tokens drafted per row, each at the step's context, plus the chunked
-    prefill's price for the prompt tokens it fed, at the KV their rows held. The cost model of `bench replay`'s
-    virtual clock."""
+def step_parts_ms(grid: LatencyGrid, st: StepStats) -> tuple[float, float, float]:
+    """What the grid says a step's parts took (draft, verification with the prompt chunks it fed, the rest), priced
+    the way calibration prices them: the draft by the forwards it ran, verification and the rest by the mean tokens
+    drafted per row, each at the step's context, plus the chunked prefill's price for the prompt tokens it fed, at
+    the KV their rows held."""
     b = st.batch_size
     draft = st.draft_s > 0 or st.draft_forwards > 0 or st.k > 0
     prefill = ((grid.chunk_ms(max(b, 1), st.prefill_tokens, draft) or 0.0) + grid.chunk_context_cost(st.chunks)
                if st.prefill_tokens else 0.0)
     if not b:  # a prefill alone still runs a whole forward: a k = 0 step at batch 1 and the chunk (as calibration
-        return prefill + sum(grid.part_at(part, 1, 0) for part in PARTS)  # and `simulate` price it)
+        d, v, o = (grid.part_at(part, 1, 0) for part in PARTS)  # and `simulate` price it)
+        return d, v + prefill, o
     context = grid.step_context(st.contexts)
     forwards = st.draft_forwards or st.k
     k_rows = st.proposed / b
-    return (grid.part_at("draft", b, forwards, context) + grid.part_at("verify", b, k_rows, context)
-            + grid.part_at("other", b, k_rows) + prefill)
+    return (grid.part_at("draft", b, forwards, context), grid.part_at("verify", b, k_rows, context) + prefill,
+            grid.part_at("other", b, k_rows))
+
+
+def step_cost_ms(grid: LatencyGrid, st: StepStats) -> float:
+    """What the grid says a step took (`step_parts_ms`, summed): the cost model of `bench replay`'s virtual clock."""
+    return sum(step_parts_ms(grid, st))
 
 
 class Calibrated:
