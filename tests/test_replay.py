@@ -78,6 +78,24 @@ def test_replayed_policies_run_as_served_and_calibrate_on_the_clock(models):
     assert all(f == pytest.approx(1.0) for part in factors.values() for f in part.values()), factors
 
 
+def test_a_clock_off_the_profile_is_learnt_by_the_served_policy(models):
+    """A machine that runs its profile off: the steps take the clock's time, and the served policy starts from
+    the profile and calibrates towards the clock (as a replica does on a machine 20-60% off the profile)."""
+    slow = GRID.model_copy(update={f"{part}_ms": [[1.5 * v for v in row] for row in getattr(GRID, f"{part}_ms")]
+                                   for part in ("draft", "verify", "other")})
+    rng = random.Random(2)
+    jobs = [Job([rng.randrange(3, 90) for _ in range(9)], 48, at=0.01 * i) for i in range(3)]
+    on_profile, off = replay(models, PROFILE, "lut", jobs, 4), replay(models, PROFILE, "lut", jobs, 4, clock=slow)
+    assert off.seconds > 1.3 * on_profile.seconds
+    engine = _engine(models, PROFILE, "adaptive", 4, slow)
+    for j in jobs:
+        engine.submit(j.prompt, j.params())
+    while engine.has_work():
+        engine.step()
+    factors = engine.policy.inner.calibration.factors()
+    assert factors["verify"][1] == pytest.approx(1.5) and factors["draft"][1] == pytest.approx(1.5), factors
+
+
 def test_the_grid_starts_no_cell_past_its_deadline_and_names_those_it_left(models):
     """A lent GPU's call keeps only what it wrote: a grid that ran past its timeout lost every cell. Past the
     deadline no cell starts; the results and their markdown say which were left."""
