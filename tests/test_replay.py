@@ -61,18 +61,21 @@ def test_replayed_policies_run_as_served_and_calibrate_on_the_clock(models):
     stays deterministic."""
     engine = _engine(models, PROFILE, "lut", 4)
     assert isinstance(engine.policy, OnClock) and isinstance(engine.policy.inner, Calibrated)
-    seen = []
+    seen, observed = [], []
     engine.on_step.append(seen.append)
+    calibrating = engine.policy.inner.observe
+    engine.policy.inner.observe = lambda st: (observed.append(st), calibrating(st))
     rng = random.Random(1)
     for _ in range(2):
         engine.submit([rng.randrange(3, 90) for _ in range(9)], Job([1], 48).params())
     while engine.has_work():
         engine.step()
     decode = [st for st in seen if st.batch_size]
-    for st in decode:
+    assert len(observed) == len(decode)
+    for st, copy in zip(decode, observed):  # the policy saw the clock's parts; the step kept its measured ones
         parts = step_parts_ms(GRID, st)
-        assert (st.draft_s, st.verify_s, st.other_s) == pytest.approx(tuple(ms / 1000 for ms in parts))
-        assert sum(parts) == pytest.approx(step_cost_ms(GRID, st))
+        assert (copy.draft_s, copy.verify_s, copy.other_s) == pytest.approx(tuple(ms / 1000 for ms in parts))
+        assert sum(parts) == pytest.approx(step_cost_ms(GRID, st)) and st.verify_s != copy.verify_s
     assert {st.k for st in decode} > {2}  # batch 2 runs best_k[1] = 4 and, exploring, its neighbours
     factors = engine.policy.inner.calibration.factors()
     assert all(f == pytest.approx(1.0) for part in factors.values() for f in part.values()), factors

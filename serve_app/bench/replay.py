@@ -125,8 +125,10 @@ class Replay:
 
 
 class OnClock:
-    """A policy as served (`calibrated`), whose steps it learns from read the replay's clock: each step's draft,
-    verification and rest are set to the cost model's parts (`step_parts_ms`) before the policy observes it."""
+    """A policy as served (`calibrated`), whose steps it learns from read the replay's clock: it observes a copy of
+    each step with the draft, verification and rest set to the cost model's parts (`step_parts_ms`). A copy: the
+    step itself keeps its measured parts, which say whether a draft ran (a k = 0 step that fed the draft), and the
+    clock prices its prompt chunk by that."""
 
     def __init__(self, policy, grid):
         self.inner, self.grid, self.name = policy, grid, policy.name
@@ -135,8 +137,8 @@ class OnClock:
         return self.inner.choose(state)
 
     def observe(self, st: StepStats) -> None:
-        st.draft_s, st.verify_s, st.other_s = (ms / 1000 for ms in step_parts_ms(self.grid, st))
-        self.inner.observe(st)
+        draft, verify, other = (ms / 1000 for ms in step_parts_ms(self.grid, st))
+        self.inner.observe(dataclasses.replace(st, draft_s=draft, verify_s=verify, other_s=other))
 
     def __getattr__(self, name):  # the wrapped policy's state (acceptance_estimate and the like)
         if name == "inner":
