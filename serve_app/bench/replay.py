@@ -140,11 +140,6 @@ class OnClock:
         draft, verify, other = (ms / 1000 for ms in step_parts_ms(self.grid, st))
         self.inner.observe(dataclasses.replace(st, draft_s=draft, verify_s=verify, other_s=other))
 
-    def __getattr__(self, name):  # the wrapped policy's state (acceptance_estimate and the like)
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
 
 def _engine(models, profile, policy: str, max_batch: int, clock: LatencyGrid | None = None) -> Engine:
     if policy == "none":
