@@ -208,7 +208,11 @@ def test_validation_smoke_report_is_consistent_on_a_tiny_pair(tiny_model_dirs, t
         assert b["interval"][0] <= b["median_abs_error"] <= b["interval"][1]
     cost_ok = all(b["median_abs_error"] <= 0.10 for b in buckets if b["steps"] >= 8)
     assert code == (0 if r["passed"] else 1) and r["cost_passed"] == cost_ok
-    assert r["passed"] == (all(abs(e) <= 0.10 for e in [*r["error"].values(), *r["replay_error"].values()])
+    # the one-k simulator is judged on the policies that drafted no copies (fixed k and none never copy)
+    assert set(r["sim_judged"]) == {p for p in r["error"] if r["copied_share"][p] <= 0.01} and "none" in r["sim_judged"]
+    assert r["copied_share"]["none"] == 0 and 0 <= r["copied_share"]["budget"] <= 1
+    assert r["passed"] == (all(abs(e) <= 0.10 for e in [*(r["error"][p] for p in r["sim_judged"]),
+                                                         *r["replay_error"].values()])
                            and not r["discordant_pairs"] and not r["replay_discordant_pairs"] and cost_ok)
     assert "| budget |" in (out / "summary.md").read_text() and "## The cost model per step" in (out / "summary.md").read_text()
     assert "PASSED" in (out / "summary.md").read_text() or "FAILED" in (out / "summary.md").read_text()
@@ -351,3 +355,16 @@ def test_routing_counts_replicas_per_group(engine):
     assert totals["b"]["mean_latency_s"] > 2 * totals["a"]["mean_latency_s"], totals
     with pytest.raises(ValueError, match="route"):
         run({"a": 1}, profiles, "none", route="random", **kw)
+
+
+def test_copied_share_counts_the_accepted_tokens_copied_rather_than_drafted():
+    """The one-k simulator is judged only on policies whose real rounds copied (almost) nothing: the share is the
+    copied (context, history) accepted tokens over all accepted draft tokens, across steps."""
+    from serve_app.bench.simcheck import copied_share
+    from serve_app.engine.stats import StepStats
+
+    steps = [StepStats(batch_size=1, by_source={"model": [4, 3]}),
+             StepStats(batch_size=2, by_source={"history": [16, 16], "model": [2, 1]}),
+             StepStats(batch_size=1, by_source={"context": [8, 0]}), StepStats(batch_size=1)]
+    assert copied_share(steps) == pytest.approx(16 / 20)
+    assert copied_share(steps[:1]) == 0.0 and copied_share([]) == 0.0
