@@ -211,6 +211,7 @@ def test_validation_smoke_report_is_consistent_on_a_tiny_pair(tiny_model_dirs, t
     # the one-k simulator is judged on the policies that drafted no copies (fixed k and none never copy)
     assert set(r["sim_judged"]) == {p for p in r["error"] if r["copied_share"][p] <= 0.01} and "none" in r["sim_judged"]
     assert r["copied_share"]["none"] == 0 and 0 <= r["copied_share"]["budget"] <= 1
+    assert set(r["steps_priced"]) == {"none", "fixed:2", "budget"} and all(v > 0 for v in r["steps_priced"].values())
     assert r["passed"] == (all(abs(e) <= 0.10 for e in [*(r["error"][p] for p in r["sim_judged"]),
                                                          *r["replay_error"].values()])
                            and not r["discordant_pairs"] and not r["replay_discordant_pairs"] and cost_ok)

@@ -45,7 +45,7 @@ from tqdm import tqdm
 from serve_app.config import EngineConfig
 from serve_app.engine.policy import PER_ROW_POLICIES
 from serve_app.models import LoadedModels
-from serve_app.profiling.calibration import Calibration
+from serve_app.profiling.calibration import Calibration, step_cost_ms
 from serve_app.profiling.profiles import Profile
 from serve_app.sim.simulate import simulate
 from serve_app.bench.policies import Job, _run, varying_jobs
@@ -108,7 +108,8 @@ def validate(models: LoadedModels, profile: Profile, policies: list[str], out_di
     for st in timeline:  # each step predicted from the steps before it, then learnt from
         predicted.append((st, online.predict_ms(st)))
         online.observe(st)
-    whole = Calibration(profile.latency, warmup=0, window=1 << 30)
+    # every step kept (no window); no pace (its grid alone is read), so no grid made again every few steps
+    whole = Calibration(profile.latency, warmup=0, window=1 << 30, regrid_every=1 << 30)
     for st in seen + timeline:
         whole.observe(st)
     grid = whole.grid() if calibration else profile.latency
@@ -133,6 +134,10 @@ def validate(models: LoadedModels, profile: Profile, policies: list[str], out_di
     real_mean = {p: statistics.median(v) for p, v in real.items()}
     errors = {p: sim[p] / real_mean[p] - 1 for p in one_k}
     replay_errors = {p: replayed[p] / real_mean[p] - 1 for p in policies}
+    # the replay's clock prices each step by its shape alone: a policy whose steps cost more than their shape (its
+    # own host work in the step) shows here, apart from the queueing its choices make
+    priced = {p: sum(step_cost_ms(grid, st) for st in own[p]) / max(sum(_ms(st) for st in own[p]), 1e-9)
+              for p in policies}
     bad_pairs = discordant_pairs({p: real_mean[p] for p in judged}, sim, tie)
     replay_pairs = discordant_pairs(real_mean, replayed, tie)
     cost = cost_model_check(predicted)
@@ -143,7 +148,7 @@ def validate(models: LoadedModels, profile: Profile, policies: list[str], out_di
                "phases": phases, "scale": scale, "repeat": repeat, "tolerance": tolerance, "tie": tie,
                "sim_seeds": sim_seeds, "real_mean_latency_s": real_mean, "real_rounds": real,
                "calibration": cal_summary, "whole_run_factors": whole.factors(),
-               "sim_mean_latency_s": sim, "error": errors, "sim_judged": judged, "copied_share": copied,
+               "sim_mean_latency_s": sim, "error": errors, "sim_judged": judged, "copied_share": copied, "steps_priced": priced,
                "discordant_pairs": bad_pairs,
                "replay_mean_latency_s": replayed, "replay_error": replay_errors, "replay_discordant_pairs": replay_pairs,
                "cost_model": cost, "cost_tolerance": cost_tolerance, "cost_passed": cost_ok, "passed": passed,
@@ -276,15 +281,19 @@ def _markdown(r: dict, policies: list[str]) -> str:
              f"{r['repeat']} round(s), the policies' order rotated each round; simulated (one k per step): mean of "
              f"{r['sim_seeds']} acceptance draws; replayed (per row: the engine on a virtual clock, deterministic). "
              + _basis(r), "",
-             "| policy | real mean latency | simulated | error | replayed | error | rank real / simulated / replayed |",
-             "|---|---|---|---|---|---|---|"]
+             "Steps priced: the replay's clock (the whole run's calibrated grid) over the measured time of the policy's "
+             "real steps, summed over its rounds.", "",
+             "| policy | real mean latency | simulated | error | replayed | error | rank real / simulated / replayed "
+             "| steps priced |",
+             "|---|---|---|---|---|---|---|---|"]
     judged, copied = r.get("sim_judged", simulated), r.get("copied_share", {})
     for p in policies:
         s = f"{sim[p]:.2f}s | {err[p]:+.1%}{flag(err[p])}" if p in judged else \
             f"{sim[p]:.2f}s | {err[p]:+.1%} (not judged: {copied[p]:.0%} of its accepted tokens copied)" \
             if p in simulated else "not modelled | -"
         lines.append(f"| {p} | {real[p]:.2f}s | {s} | {rep[p]:.2f}s | {rerr[p]:+.1%}{flag(rerr[p])} | "
-                     f"{rank_real[p]} / {rank_sim.get(p, '-')} / {rank_rep[p]} |")
+                     f"{rank_real[p]} / {rank_sim.get(p, '-')} / {rank_rep[p]} | "
+                     + (f"{r['steps_priced'][p]:.3f} |" if "steps_priced" in r else "- |"))
     worst = max(abs(e) for e in [err[p] for p in judged] + list(rerr.values()))
     lines += ["", "The one-k simulator (`simulate --fleet`'s) draws every drafted token from one acceptance process of "
                   "the draft model: it models no per-row k and no copies, so it is judged on the policies whose real "

@@ -174,9 +174,12 @@ class Calibration:
         return math.exp(median(ratios)) if ratios else 1.0
 
     def _chunk_ratios(self, samples) -> list[float]:
-        out = []
+        out, ratios = [], {}  # a ratio reads every sample of its group: once per (part, group, k)
         for total, decode, group, j, predicted in samples:
-            rest = total - sum(d * self.ratio(part, group, j) for d, part in zip(decode, PARTS))
+            for part in PARTS:
+                if (part, group, j) not in ratios:
+                    ratios[(part, group, j)] = self.ratio(part, group, j)
+            rest = total - sum(d * ratios[(part, group, j)] for d, part in zip(decode, PARTS))
             if rest > 0:
                 out.append(math.log(rest / predicted))
         return out
@@ -192,12 +195,13 @@ class Calibration:
             top = len(self.base.ks) - 1
             scaled["copy_verify_ms"] = [[v * self.ratio("verify", i, top) for v in row]
                                         for i, row in enumerate(self.base.copy_verify_ms)]
+        chunk = [self.factor(CHUNK, i) for i in range(len(self.base.batch_sizes))]  # each reprices every chunk
         for name in CHUNK_FIELDS:
             values = getattr(self.base, name)
             if values is not None:
-                scaled[name] = [v * self.factor(CHUNK, i) for i, v in enumerate(values)]
+                scaled[name] = [v * chunk[i] for i, v in enumerate(values)]
         if self.base.chunk_context_ms is not None:  # one pair for every batch size: the smallest's factor
-            scaled["chunk_context_ms"] = [v * self.factor(CHUNK, 0) for v in self.base.chunk_context_ms]
+            scaled["chunk_context_ms"] = [v * chunk[0] for v in self.base.chunk_context_ms]
         grid = self.base.model_copy(update=scaled)
         self._made = (self.used, grid)
         return grid
