@@ -422,6 +422,9 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("--tie", type=float, default=0.05,
                     help="--validate: policies the real run puts closer than this (relative) may come in either order")
     sm.add_argument("--scale", type=float, default=0.7, help="--validate: scales the schedule's length (as bench policies)")
+    sm.add_argument("--part", default="b", choices=["b", "d", "e"],
+                    help="--validate: the schedule: (b) time-varying chat, (d) mixed bursts of chat, JSON and rewrites, "
+                         "(e) long documents between short chat (seeded as bench replay seeds them)")
     sm.add_argument("--repeat", type=int, default=3, help="--validate: real rounds (policies interleaved); medians")
     sm.add_argument("--profile", default=None, help="--validate: profile (default profiles/<hardware type>.json)")
     sm.add_argument("--no-calibrate", dest="calibrate", action="store_false",
@@ -1230,9 +1233,9 @@ def _cmd_simulate_validate(args) -> int:
                          "--tolerance and --scale > 0, --tie >= 0, --repeat >= 1")
     mc = _bench_model(args)
     profile = find_profile(args.profile, mc)
-    out = args.out or str(default_stem("simulate-validate"))
+    out = args.out or str(default_stem("simulate-validate" + ("" if args.part == "b" else f"-{args.part}")))
     _, markdown, passed = validate(load_models(mc), profile, policies, out, args.scale, args.seed, args.repeat,
-                                   args.tolerance, args.tie, calibrate=args.calibrate)
+                                   args.tolerance, args.tie, calibrate=args.calibrate, part=args.part)
     print("\n" + markdown + f"\nwritten to {out}/")
     return 0 if passed else 1
 

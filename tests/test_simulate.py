@@ -1,6 +1,7 @@
 """The fleet simulator: hand-computed latencies on a hand-made grid, conservation, real policies."""
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -208,10 +209,16 @@ def test_validation_smoke_report_is_consistent_on_a_tiny_pair(tiny_model_dirs, t
         assert b["interval"][0] <= b["median_abs_error"] <= b["interval"][1]
     cost_ok = all(b["median_abs_error"] <= 0.10 for b in buckets if b["steps"] >= 8)
     assert code == (0 if r["passed"] else 1) and r["cost_passed"] == cost_ok
-    # the one-k simulator is judged on the policies that drafted no copies (fixed k and none never copy)
-    assert set(r["sim_judged"]) == {p for p in r["error"] if r["copied_share"][p] <= 0.01} and "none" in r["sim_judged"]
-    assert r["copied_share"]["none"] == 0 and 0 <= r["copied_share"]["budget"] <= 1
-    assert set(r["steps_priced"]) == {"none", "fixed:2", "budget"} and all(v > 0 for v in r["steps_priced"].values())
+    # the one-k simulator is judged on the policies that drafted one length per row (fixed k and none)
+    assert set(r["sim_judged"]) == {p for p in r["error"] if r["per_row_share"][p] <= 0.01} == {"none", "fixed:2"}
+    assert 0 <= r["per_row_share"]["budget"] <= 1 and r["per_row_share"]["none"] == 0
+    # each round at the clock's speed: its latency times its pace; the raw medians beside
+    for p, rounds in r["real_rounds"].items():
+        assert len(r["round_pace"][p]) == len(rounds) and all(f > 0 for f in r["round_pace"][p])
+        assert r["real_mean_latency_s"][p] == pytest.approx(
+            statistics.median(x * f for x, f in zip(rounds, r["round_pace"][p])))
+        assert r["raw_mean_latency_s"][p] == pytest.approx(statistics.median(rounds))
+        assert r["replay_raw_error"][p] == pytest.approx(r["replay_mean_latency_s"][p] / r["raw_mean_latency_s"][p] - 1)
     assert r["passed"] == (all(abs(e) <= 0.10 for e in [*(r["error"][p] for p in r["sim_judged"]),
                                                          *r["replay_error"].values()])
                            and not r["discordant_pairs"] and not r["replay_discordant_pairs"] and cost_ok)
@@ -358,14 +365,36 @@ def test_routing_counts_replicas_per_group(engine):
         run({"a": 1}, profiles, "none", route="random", **kw)
 
 
-def test_copied_share_counts_the_accepted_tokens_copied_rather_than_drafted():
-    """The one-k simulator is judged only on policies whose real rounds copied (almost) nothing: the share is the
-    copied (context, history) accepted tokens over all accepted draft tokens, across steps."""
-    from serve_app.bench.simcheck import copied_share
-    from serve_app.engine.stats import StepStats
+def test_per_row_share_and_a_runs_pace():
+    """The one-k simulator is judged only on policies whose decoding steps ran (almost) no per-row plan; a run's pace
+    is its steps' price on the clock over their measured time (0.8: the machine ran them 25% slower)."""
+    from serve_app.bench.simcheck import per_row_share, run_pace
+    from serve_app.engine.stats import RowOutcomes, StepStats
+    from serve_app.profiling.calibration import step_cost_ms
 
-    steps = [StepStats(batch_size=1, by_source={"model": [4, 3]}),
-             StepStats(batch_size=2, by_source={"history": [16, 16], "model": [2, 1]}),
-             StepStats(batch_size=1, by_source={"context": [8, 0]}), StepStats(batch_size=1)]
-    assert copied_share(steps) == pytest.approx(16 / 20)
-    assert copied_share(steps[:1]) == 0.0 and copied_share([]) == 0.0
+    plan = RowOutcomes(ids=["a", "b"], drafted=[2, 5], accepted=[1, 5])
+    steps = [StepStats(batch_size=2, k=5, proposed=7, rows=plan), StepStats(batch_size=1, k=1, proposed=1),
+             StepStats(batch_size=1, k=1, proposed=1), StepStats(prefill_tokens=8)]
+    assert per_row_share(steps) == pytest.approx(1 / 3) and per_row_share(steps[1:]) == 0.0 == per_row_share([])
+    grid = grid_profile().latency
+    for st in steps:
+        st.verify_s = step_cost_ms(grid, st) * 1.25 / 1000
+    assert run_pace(grid, steps) == pytest.approx(0.8) and run_pace(grid, []) == 1.0
+
+
+def test_validation_schedules_are_the_replays_parts():
+    """`simulate --validate --part`: (b), (d) and (e) are the jobs `bench replay` runs for the same seed and scale,
+    with their phases; anything else is refused."""
+    import serve_app.bench.replay as rp
+    from serve_app.bench.simcheck import schedule
+    from serve_app.models import load_tokenizer
+
+    tok = load_tokenizer("embedded")
+    for part in ("b", "d", "e"):
+        jobs, phases = schedule(tok, part, 3, 0.2)
+        same = rp.schedules(tok, [part], 3, 0.2)[part]
+        assert [(j.prompt, j.max_tokens, j.at, j.kind) for j in jobs] == [(j.prompt, j.max_tokens, j.at, j.kind) for j in same]
+        assert phases and all(a < b for a, b, _ in phases) and all(j.at < phases[-1][1] for j in jobs)
+    assert len(schedule(tok, "e", 3, 0.2)[1]) == len(rp.LONG_PHASES)
+    with pytest.raises(ValueError, match="unknown part"):
+        schedule(tok, "x", 0, 0.2)
