@@ -414,7 +414,7 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("--out", default=None, help="writes results.json, summary.md (and k_batch.png) here "
                                                 "(default out/simulate, with --validate results/simulate-validate-<hardware>)")
     sm.add_argument("--validate", action="store_true",
-                    help="replay `bench policies` (b) for real on this machine, simulated from its profile and replayed per "
+                    help="replay `bench policies` (b) (or --part) for real on this machine, simulated from its profile and replayed per "
                          "row on a virtual clock: compare mean latency per policy, and every real step's time with the "
                          "cost model's price by (batch, k, context); exit 1 when an error is over --tolerance, the "
                          "order differs, or a bucket's median step error is over 10%%")
