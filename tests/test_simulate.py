@@ -383,17 +383,24 @@ def test_per_row_share_and_a_runs_pace():
 
 
 def test_validation_schedules_are_the_replays_parts():
-    """`simulate --validate --part`: (b), (d) and (e) are the jobs `bench replay` runs for the same seed and scale,
-    with their phases; anything else is refused."""
+    """`simulate --validate --part` and `bench replay` share `replay.schedule`: (b), (d) and (e) are bench policies'
+    time-varying and mixed schedules and the long-document one, seeded as the replay seeds them, with their phases;
+    anything else is refused."""
+    import random
+
     import serve_app.bench.replay as rp
+    from serve_app.bench.policies import mixed_jobs, varying_jobs
     from serve_app.bench.simcheck import schedule
     from serve_app.models import load_tokenizer
 
     tok = load_tokenizer("embedded")
+    expect = {"b": varying_jobs(tok, random.Random(3), 0.2)[0], "d": mixed_jobs(tok, random.Random(4), 0.2)[0],
+              "e": rp.long_jobs(tok, random.Random(3), 0.2)}
     for part in ("b", "d", "e"):
         jobs, phases = schedule(tok, part, 3, 0.2)
-        same = rp.schedules(tok, [part], 3, 0.2)[part]
-        assert [(j.prompt, j.max_tokens, j.at, j.kind) for j in jobs] == [(j.prompt, j.max_tokens, j.at, j.kind) for j in same]
+        assert [(j.prompt, j.max_tokens, j.at, j.kind) for j in jobs] == \
+            [(j.prompt, j.max_tokens, j.at, j.kind) for j in expect[part]] and jobs
+        assert rp.schedules(tok, [part], 3, 0.2)[part] == jobs
         assert phases and all(a < b for a, b, _ in phases) and all(j.at < phases[-1][1] for j in jobs)
     assert len(schedule(tok, "e", 3, 0.2)[1]) == len(rp.LONG_PHASES)
     with pytest.raises(ValueError, match="unknown part"):

@@ -299,23 +299,29 @@ PARTS = ("b", "d", "e")
 """The parts a replay knows: (b) time-varying chat, (d) mixed bursts, (e) long documents."""
 
 
-def schedules(tokenizer, parts: list[str], seed: int, scale: float) -> dict[str, list]:
-    """One seed's jobs for each named part: (b) time-varying chat, (d) mixed bursts, (e) long documents."""
+def schedule(tokenizer, name: str, seed: int, scale: float) -> tuple[list, list[tuple[float, float, float]]]:
+    """One seed's jobs of one part and its phases (start s, end s, requests/s): (b) time-varying chat, (d) mixed
+    bursts, (e) long documents."""
     import random
 
     from serve_app.bench.policies import mixed_jobs, varying_jobs
 
-    out = {}
-    for name in parts:
-        if name == "b":
-            out[name] = varying_jobs(tokenizer, random.Random(seed), scale)[0]
-        elif name == "d":
-            out[name] = mixed_jobs(tokenizer, random.Random(seed + 1), scale)[0]
-        elif name == "e":
-            out[name] = long_jobs(tokenizer, random.Random(seed), scale)
-        else:
-            raise ValueError(f"unknown part {name!r} ({', '.join(PARTS)})")
-    return out
+    if name == "b":
+        return varying_jobs(tokenizer, random.Random(seed), scale)
+    if name == "d":
+        return mixed_jobs(tokenizer, random.Random(seed + 1), scale)
+    if name == "e":
+        phases, t = [], 0.0
+        for rate, length in LONG_PHASES:
+            phases.append((t, t + length * scale, rate))
+            t += length * scale
+        return long_jobs(tokenizer, random.Random(seed), scale), phases
+    raise ValueError(f"unknown part {name!r} ({', '.join(PARTS)})")
+
+
+def schedules(tokenizer, parts: list[str], seed: int, scale: float) -> dict[str, list]:
+    """One seed's jobs for each named part (`schedule`)."""
+    return {name: schedule(tokenizer, name, seed, scale)[0] for name in parts}
 
 
 def run_replay(models, profile, policies: list[str], parts: list[str], scale: float, seed: int = 0, seeds: int = 1,
@@ -388,5 +394,5 @@ def markdown(res: dict, policies: list[str]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["PARTS", "Replay", "across_seeds", "closed_cell", "document", "long_jobs", "markdown", "replay", "replay_grid", "replay_parts",
+__all__ = ["PARTS", "Replay", "across_seeds", "closed_cell", "document", "long_jobs", "markdown", "replay", "replay_grid", "replay_parts", "schedule",
            "run_replay", "schedules"]
