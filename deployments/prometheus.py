@@ -69,8 +69,9 @@ def render_metrics(snapshots: dict[str, dict], model_name: str) -> str:
         lines += [f"{name}{{{labels(r, snapshots[r])}}} {float(h.get(key, 0))}" for r, h in held.items()]
     calibrated = {r: s["calibration"] for r, s in snapshots.items() if s.get("calibration")}
     name = "specserve_calibration_factor"
-    lines += [f"# HELP {name} Measured / profiled step time of one part (draft, verify, other) at a profiled batch size, "
-              "as this replica's calibration has it (1: as profiled).", f"# TYPE {name} gauge"]
+    lines += [f"# HELP {name} Measured / profiled step time of one part (draft, verify, other; chunk: a "
+              "prompt chunk's price, chunk_context: its price for the KV its row held) at a profiled batch size, as "
+              "this replica's calibration has it (1: as profiled).", f"# TYPE {name} gauge"]
     lines += [f"{name}{{{labels(r, snapshots[r], part=part, batch_size=b)}}} {float(f)}"
               for r, cal in calibrated.items() for part, by_size in cal["factors"].items() for b, f in by_size.items()]
     name = "specserve_calibration_drift"

@@ -18,6 +18,24 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
+PAD_GROUP_CONTEXT = 256
+"""The gather backend's grouping of decoding rows (`engine.attention.gather_layout`): rows whose contexts sit within
+twice max(this, the group's shortest) share one padded attention call, padded to the group's longest; a longer row
+opens the next group. The `padded` layout prices a step the way that pads it (`padded_context`)."""
+
+
+def padded_context(contexts) -> float:
+    """KV tokens a row pays for, on the mean, when the gather backend pads each group of rows of alike context to its
+    longest (`PAD_GROUP_CONTEXT`): three chat rows of 100 tokens beside one document of 1,700 pay (3 x 100 + 1,700) / 4
+    = 500, not 1,700 each (one call would pad them all to it; the backend makes two)."""
+    total, group = 0, []
+    for c in sorted(contexts):
+        if group and c > 2 * max(PAD_GROUP_CONTEXT, group[0]):
+            total, group = total + len(group) * group[-1], []
+        group.append(c)
+    return (total + len(group) * group[-1]) / len(contexts)
+
+
 class ContextGrid(BaseModel):
     """Step parts at several contexts: how the draft's and the verification's time grow with the KV tokens each
     row attends, per (batch size, k). The latency grid is measured at one (short) context; this grid scales
@@ -39,7 +57,8 @@ class ContextGrid(BaseModel):
     """verify_ms[c][i][j]: the verification's time there."""
     layout: Literal["padded", "paged"] = "paged"
     """How attention pays for a batch of rows of different lengths: `paged` per row (a paged / flex kernel: the
-    step's context is the rows' mean), `padded` at the longest row (the gather backend pads each group)."""
+    step's context is the rows' mean), `padded` at each group's longest row (the gather backend pads each group of
+    alike contexts: `padded_context`)."""
     backend: str | None = None
     """The attention backend measured (`gather`, `flex`)."""
 
@@ -56,35 +75,36 @@ class ContextGrid(BaseModel):
         return self
 
     def context_of(self, contexts: list[int]) -> float:
-        """The context a step of rows with these KV lengths is priced at: their mean (paged) or longest (padded)."""
+        """The context a step of rows with these KV lengths is priced at: their mean (paged), or their mean as each
+        group of alike contexts pads to its longest (padded)."""
         if not contexts:
             return 0.0
-        return float(max(contexts)) if self.layout == "padded" else sum(contexts) / len(contexts)
+        return padded_context(contexts) if self.layout == "padded" else sum(contexts) / len(contexts)
 
     def at(self, part: str, batch_size: int, k: float, context: float) -> float | None:
-        """A part's milliseconds at any (batch, k, context): linear between measured points in each, extended
-        linearly past the longest context (attention's cost grows linearly in the KV tokens), flat below the
-        shortest. None where the batch size's cells lack a measured context on both sides."""
+        """A part's milliseconds at any (batch, k, context): between measured batch sizes and k linear, in the
+        context a least-squares line through the measured contexts (never falling: more KV never makes a step
+        cheaper). Attention's cost grows linearly in the KV tokens; a line through every context measured also
+        averages each one's noise, where joining them point to point carried one slow spell into every price
+        (this CPU's profile measured its shortest context's verification at twice the latency grid's own). None
+        where the batch size's cells lack a measured context on both sides."""
         cube = getattr(self, f"{part}_ms")
         i0, i1, wb = _between(self.batch_sizes, batch_size)
         j0, j1, wk = _between(self.ks, k) if k > 0 else (0, 0, 0.0)
-        points = []
+        cs, vs = [], []
         for c, rows in zip(self.contexts, cube):
             cells = [rows[i][j] for i in (i0, i1) for j in (j0, j1)]
             if any(v is None for v in cells):
                 continue
             a, b, x, y = cells
             lo, hi = a + wk * (b - a), x + wk * (y - x)
-            points.append((c, lo + wb * (hi - lo)))
-        if not points:
-            return None
-        if len(points) == 1:
-            return points[0][1]
-        cs, vs = [p[0] for p in points], [p[1] for p in points]
-        for i in range(len(vs) - 2, -1, -1):  # more KV never makes a step cheaper: a shorter context's cell above a
-            vs[i] = min(vs[i], vs[i + 1])   # longer one's is noise (a slow spell), bounded by the longer cell
-        c0, c1, w = _between(cs, context)
-        return max(vs[c0] + w * (vs[c1] - vs[c0]), 1e-3)
+            cs.append(c)
+            vs.append(lo + wb * (hi - lo))
+        if len(cs) < 2:
+            return vs[0] if vs else None
+        intercept, slope = line(cs, vs)
+        value = intercept + slope * context if slope > 0 else sum(vs) / len(vs)  # a falling line: flat, its mean
+        return max(value, 1e-3)
 
     def scale(self, part: str, batch_size: int, k: float, context: float | None, base: float | None) -> float:
         """How much longer (or shorter) a part takes at `context` than at `base` (the latency grid's own context),

@@ -4,7 +4,9 @@ prices each step at its context, so its factors measure the machine, not the con
 a real engine and joins a profile file."""
 
 import json
+import random
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -115,10 +117,11 @@ def test_copy_columns_price_a_copys_verification_past_the_grid():
             LatencyGrid.model_validate(c.model_dump() | bad)
 
 
-def test_paged_prices_the_mean_padded_the_longest_row():
+def test_paged_prices_the_mean_padded_each_groups_longest_row():
     rows = [100, 100, 100, 1700]
     assert grid("paged").context.context_of(rows) == 500
-    assert grid("padded").context.context_of(rows) == 1700
+    assert grid("padded").context.context_of(rows) == 500  # two groups: three chat rows, the document alone
+    assert grid("padded").context.context_of([100, 300, 400, 500]) == 500  # one group, padded to its longest
     state = BatchState(4, 8, contexts=tuple(rows))
     assert state.context_for(grid()) == 500 and state.context_for(grid().model_copy(update={"context": None})) is None
 
@@ -223,6 +226,48 @@ def test_a_prompt_chunk_is_priced_at_the_kv_its_row_holds():
     assert with_term.factors()["chunk"][1] == pytest.approx(1.0, rel=1e-3)
     assert without.factors()["chunk"][1] > 2.0
     assert with_term.grid().chunk_context_ms == pytest.approx(priced.chunk_context_ms)
+
+
+def test_a_chunks_base_and_its_held_kv_term_are_calibrated_apart():
+    """A machine that runs a chunk's base 1.5x its profile and its held-KV term 0.6x: one factor for both prices
+    chunks after no held KV under and after much over; the two factors fitted apart price both within 2%."""
+    from serve_app.profiling.calibration import split_fit, step_cost_ms
+
+    g = grid().model_copy(update={"chunk_step_ms": [5.0, 5.0], "chunk_ms_per_token": [0.1, 0.1], "chunk_budget": 128,
+                                  "chunk_context_ms": [0.01, 0.0002]})
+    rng = random.Random(0)
+
+    def truth(held):
+        st = StepStats(prefill_tokens=128, chunks=((held, 128),))
+        return st, 1.5 * g.chunk_ms(1, 128) + 0.6 * g.chunk_context_cost(st.chunks)
+
+    cal = Calibration(g, warmup=0)
+    for _ in range(48):
+        st, ms = truth(rng.choice([0, 64, 300, 900, 1500, 2500]))
+        cal.observe(replace(st, verify_s=ms * rng.uniform(0.97, 1.03) / 1000 + g.part_at("verify", 1, 0) / 1000,
+                            draft_s=g.part_at("draft", 1, 0) / 1000, other_s=g.part_at("other", 1, 0) / 1000))
+    assert cal.factors()["chunk"][1] == pytest.approx(1.5, rel=0.03)
+    assert cal.factors()["chunk_context"][1] == pytest.approx(0.6, rel=0.05)
+    for held in (0, 2000):
+        st, ms = truth(held)
+        decode = sum(g.part_at(part, 1, 0) for part in ("draft", "verify", "other"))
+        assert step_cost_ms(cal.grid(), st) == pytest.approx(ms + decode, rel=0.02), held
+    # one factor where the held KV's share does not spread (every chunk after about as much): and for an empty set
+    assert split_fit([(2.0, 1.0, 0.0)] * 8) == pytest.approx((2.0, 2.0))
+    assert split_fit([]) == (1.0, 1.0)
+
+
+def test_the_context_axis_is_a_line_through_every_context_measured():
+    """A slow spell while the shortest context was measured (twice its true time) made joined points price every
+    context up to the next as free; the least-squares line keeps the growth the other contexts measured."""
+    g = grid()
+    true512 = g.context.scale("verify", 8, 2, 512, 64)
+    cube = [[list(r) for r in rows] for rows in g.context.verify_ms]
+    cube[0] = [[2 * v for v in r] for r in cube[0]]
+    noisy = g.context.model_copy(update={"verify_ms": cube})
+    assert noisy.scale("verify", 8, 2, 2048, 64) > 1.5  # still grows
+    assert noisy.at("verify", 8, 2, 2048) > noisy.at("verify", 8, 2, 512) > noisy.at("verify", 8, 2, 64)
+    assert true512 > 1.2 and g.context.at("verify", 8, 2, 512) == pytest.approx(g.context.verify_ms[1][1][2], rel=1e-6)
 
 
 def test_the_engine_records_each_chunks_held_kv():

@@ -260,9 +260,9 @@ def _basis(r: dict) -> str:
     f, w = cal["factors"], r["whole_run_factors"]
     return (f"on this machine's latencies: the profile's grid calibrated by {cal['how']} ({cal['used']} steps; drift "
             f"{cal['drift']:.0%}; factors draft {_span(f['draft'])}, verify {_span(f['verify'])}, other "
-            f"{_span(f['other'])}, prefill {_span(f['chunk'])}), and for both simulators over the whole run, those "
+            f"{_span(f['other'])}, prefill {_span(f['chunk'])}, at the KV it held {_span(f['chunk_context'])}), and for both simulators over the whole run, those "
             f"runs and every round (factors draft {_span(w['draft'])}, verify {_span(w['verify'])}, other "
-            f"{_span(w['other'])}, prefill {_span(w['chunk'])}); drafts accepted per position as the calibration "
+            f"{_span(w['other'])}, prefill {_span(w['chunk'])}, at the KV it held {_span(w['chunk_context'])}); drafts accepted per position as the calibration "
             f"runs saw them ({cal.get('acceptance')}; the profile's: {cal.get('profile_acceptance')}); lut and "
             "adaptive calibrate online, in the real runs and the simulated ones.")
 

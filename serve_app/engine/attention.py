@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from serve_app.pricing import PAD_GROUP_CONTEXT
+
 log = logging.getLogger(__name__)
 
 BACKENDS = ("gather", "flex")
@@ -34,8 +36,9 @@ BACKENDS = ("gather", "flex")
 TRASH = 0
 """Block 0 is never handed out: padded reads in a batched attention call point there (masked)."""
 
-SHORT_CONTEXT = 256
-"""gather: short rows whose contexts are all under twice this many tokens share one call whatever their spread."""
+SHORT_CONTEXT = PAD_GROUP_CONTEXT
+"""gather: short rows whose contexts are all under twice this many tokens share one call whatever their spread
+(the pricing's `padded` layout prices a step by the same grouping)."""
 
 SHORT_ROW = 16
 """gather: rows feeding at most this many tokens (or twice the fewest any row feeds) share one attention

@@ -8,8 +8,12 @@ group and part a robust factor: the median of the last `window` log-ratios, afte
 steps (a new process runs its first steps slowly). A part's factor scales its whole grid row, every k,
 so the k a policy never chooses is priced too. A step that also prefills prompt chunks prices the chunk
 instead: its measured time less the (calibrated) decode part, against the grid's chunk price for that
-many prompt tokens (`LatencyGrid.chunk_ms`), gives the `chunk` part's factor, which scales every prefill
-price of the grid (a profile measured before chunked prefill priced it another way).
+many prompt tokens (`LatencyGrid.chunk_ms`) and for the KV its row held (`chunk_context_cost`). The two are
+fitted apart (`split_fit`): the `chunk` part's factor scales every prefill price of the grid (a profile measured
+before chunked prefill priced it another way), the `chunk_context` factor the held-KV term (one for every batch
+size, as the term is). A machine can run one over its profile and the other under it: this CPU ran a chunk's
+base 1.1-1.3x the profile's and its held-KV term below it, so one factor for both priced a chunk after no held KV
+21% under and one after 1,500 held tokens right.
 
 The factors give the grid this machine's shape; its pace moves faster. A shared machine's speed drifts over
 seconds (neighbours, clocks): steps of one shape vary about 10% about their median here, and by runs of steps,
@@ -38,6 +42,8 @@ from serve_app.pricing import LatencyGrid, _between, best_k_table
 
 PARTS = ("draft", "verify", "other")
 CHUNK = "chunk"
+CHUNK_CONTEXT = "chunk_context"
+"""The factor of a chunk's price for the KV its row held (`LatencyGrid.chunk_context_ms`), fitted apart."""
 CHUNK_FIELDS = ("chunk_step_ms", "chunk_ms_per_token", "chunk_draft_step_ms", "chunk_draft_ms_per_token",
                 "prefill_ms", "prefill_draft_ms")
 """The grid's prefill prices: per batch size, all scaled by the `chunk` factor."""
@@ -57,6 +63,7 @@ class Calibration:
         """log(measured / predicted) of recent steps, each weighing `pace_weight` against all before it."""
         self._grid, self._grid_at = grid, 0  # the calibrated grid the pace is measured against, and when made
         self._made: tuple[int, LatencyGrid] | None = None  # (samples used, the grid they made)
+        self._fit: tuple[int, tuple[list[float], float]] | None = None  # (samples used, `_chunk_fit`'s answer)
         # decode parts: (k index, log measured / predicted); chunk: raw steps (see _chunk)
         self.samples = {(part, i): deque(maxlen=window) for part in PARTS + (CHUNK,) for i in range(len(grid.batch_sizes))}
         self.steps = 0  # decoding steps seen (warm-up included)
@@ -121,13 +128,14 @@ class Calibration:
         predicted = self.base.chunk_ms(max(st.batch_size, 1), st.prefill_tokens, st.draft_s > 0)
         if not predicted or predicted < 0.5:
             return False
-        predicted += self.base.chunk_context_cost(st.chunks)  # the factor measures the machine, not the context
+        held = self.base.chunk_context_cost(st.chunks)  # the factors measure the machine, not the context
         i0, i1, w = between if st.batch_size else (0, 0, 0.0)  # prefill alone: a k = 0 step at batch 1
         jj = j if st.batch_size else 0  # (as `simulate.Replica.step` prices it)
         decode = tuple(rows[i0][jj] + w * (rows[i1][jj] - rows[i0][jj])
                        for rows in (self.base.draft_ms, self.base.verify_ms, self.base.other_ms))
         # kept raw: the decode part is priced with the factors known when the chunk's factor is asked for
-        self.samples[(CHUNK, group)].append((1000 * (st.draft_s + st.verify_s + st.other_s), decode, group, jj, predicted))
+        self.samples[(CHUNK, group)].append((1000 * (st.draft_s + st.verify_s + st.other_s), decode, group, jj,
+                                             predicted, held))
         self.used += 1
         return True
 
@@ -166,22 +174,40 @@ class Calibration:
 
     def factor(self, part: str, i: int) -> float:
         """One number per part and profiled batch size (what /metrics shows): the median measured /
-        profiled ratio of the group's evidence; for `chunk`, of the prefill price."""
+        profiled ratio of the group's evidence; for `chunk`, of the prefill price (`split_fit`'s base factor)."""
+        if part == CHUNK:
+            return self._chunk_fit()[0][i]
         samples, _ = self._evidence(part, i)
-        if samples is None:
-            return 1.0
-        ratios = self._chunk_ratios(samples) if part == CHUNK else [r for _, r in samples]
-        return math.exp(median(ratios)) if ratios else 1.0
+        return math.exp(median(r for _, r in samples)) if samples is not None else 1.0
 
-    def _chunk_ratios(self, samples) -> list[float]:
+    def _chunk_fit(self) -> tuple[list[float], float]:
+        """([chunk factor per profiled batch size], the held-KV term's factor): `split_fit` over every group's
+        chunk steps for the held-KV term (one pair of prices serves every batch size), then each group's base
+        factor with that term fixed. Made once per sample count (each point reads its group's decode ratios)."""
+        if self._fit is not None and self._fit[0] == self.used:
+            return self._fit[1]
+        n = len(self.base.batch_sizes)
+        points = {g: self._chunk_points(self.samples[(CHUNK, g)]) for g in range(n)}
+        pooled = [p for g in range(n) if len(points[g]) >= self.min_samples for p in points[g]]
+        held = split_fit(pooled)[1] if pooled else 1.0
+        base = []
+        for i in range(n):
+            samples, g = self._evidence(CHUNK, i)
+            base.append(split_fit(points[g], held)[0] if samples is not None and points[g] else 1.0)
+        self._fit = (self.used, (base, held))
+        return base, held
+
+    def _chunk_points(self, samples) -> list[tuple[float, float, float]]:
+        """(the chunk's measured ms beyond its calibrated decode part, its base price, its held-KV price) per chunk
+        step whose rest is positive."""
         out, ratios = [], {}  # a ratio reads every sample of its group: once per (part, group, k)
-        for total, decode, group, j, predicted in samples:
+        for total, decode, group, j, predicted, held in samples:
             for part in PARTS:
                 if (part, group, j) not in ratios:
                     ratios[(part, group, j)] = self.ratio(part, group, j)
             rest = total - sum(d * ratios[(part, group, j)] for d, part in zip(decode, PARTS))
             if rest > 0:
-                out.append(math.log(rest / predicted))
+                out.append((rest, predicted, held))
         return out
 
     def grid(self) -> LatencyGrid:
@@ -195,21 +221,23 @@ class Calibration:
             top = len(self.base.ks) - 1
             scaled["copy_verify_ms"] = [[v * self.ratio("verify", i, top) for v in row]
                                         for i, row in enumerate(self.base.copy_verify_ms)]
-        chunk = [self.factor(CHUNK, i) for i in range(len(self.base.batch_sizes))]  # each reprices every chunk
+        chunk, held = self._chunk_fit()
         for name in CHUNK_FIELDS:
             values = getattr(self.base, name)
             if values is not None:
                 scaled[name] = [v * chunk[i] for i, v in enumerate(values)]
-        if self.base.chunk_context_ms is not None:  # one pair for every batch size: the smallest's factor
-            scaled["chunk_context_ms"] = [v * chunk[0] for v in self.base.chunk_context_ms]
+        if self.base.chunk_context_ms is not None:  # one pair for every batch size, as its factor
+            scaled["chunk_context_ms"] = [v * held for v in self.base.chunk_context_ms]
         grid = self.base.model_copy(update=scaled)
         self._made = (self.used, grid)
         return grid
 
     def factors(self) -> dict[str, dict[int, float]]:
         """{part: {profiled batch size: factor}} (what /metrics and stats() show; `chunk`: prefill prices)."""
-        return {part: {b: round(self.factor(part, i), 4) for i, b in enumerate(self.base.batch_sizes)}
-                for part in PARTS + (CHUNK,)}
+        out = {part: {b: round(self.factor(part, i), 4) for i, b in enumerate(self.base.batch_sizes)}
+               for part in PARTS + (CHUNK,)}
+        out[CHUNK_CONTEXT] = {b: round(self._chunk_fit()[1], 4) for b in self.base.batch_sizes}
+        return out
 
     def drift(self) -> float:
         """How far this replica is from its profile: the largest |calibrated / profiled - 1| of a whole
@@ -217,6 +245,45 @@ class Calibration:
         new = self.grid().total_ms()
         return max((abs(n / o - 1) for nr, orow in zip(new, self.base.total_ms()) for n, o in zip(nr, orow) if o > 0),
                    default=0.0)
+
+
+SPLIT_MIN_SPREAD = 0.15
+"""`split_fit` fits two factors only where the held-KV term's share of the chunk price spreads this much (its
+interquartile range): chunks that all held about as much KV as each other tell the two apart no better than one."""
+
+
+SPLIT_MAX_POINTS = 96
+"""`split_fit`'s line reads at most this many points (evenly spaced through them): its pairs grow with the square."""
+
+
+def split_fit(points, held: float | None = None) -> tuple[float, float]:
+    """(base factor, held-KV factor) of chunk steps' (measured ms, base price, held-KV price): measured = base x
+    a + held x c. With the share s = held / (base + held) of each price, measured / price = a + (c - a) s, a line
+    in s fitted robustly (Theil-Sen: the median slope over pairs, the median intercept), so a few steps a
+    neighbour slowed do not tilt it. `held` given: c is that and a the median of what each point says. One factor
+    for both (the median ratio) where the shares do not spread (`SPLIT_MIN_SPREAD`) or no held KV was priced;
+    each within 3x of it (a line's end past every point can run far)."""
+    if not points:
+        return 1.0, held if held is not None else 1.0
+    r = [m / (b + h) for m, b, h in points]
+    s = [h / (b + h) for m, b, h in points]
+    f = math.exp(median(math.log(x) for x in r))
+    clamp = lambda x: min(max(x, f / 3), 3 * f)  # noqa: E731
+    if held is not None:
+        says = [(x - held * y) / (1 - y) for x, y in zip(r, s) if y < 0.9]
+        says = [x for x in says if x > 0]
+        return (clamp(math.exp(median(math.log(x) for x in says))) if says else f), held
+    q = sorted(s)
+    stride = -(-len(r) // SPLIT_MAX_POINTS)  # pairs grow with the square: every stride-th point (a window's worth)
+    r, s = r[::stride], s[::stride]
+    if q[(3 * len(q)) // 4] - q[len(q) // 4] < SPLIT_MIN_SPREAD:
+        return f, f
+    slopes = [(r[i] - r[j]) / (s[i] - s[j]) for i in range(len(r)) for j in range(i) if abs(s[i] - s[j]) >= 0.05]
+    if not slopes:
+        return f, f
+    slope = median(slopes)
+    a = median(x - slope * y for x, y in zip(r, s))
+    return clamp(a), clamp(a + slope)
 
 
 def step_parts_ms(grid: LatencyGrid, st: StepStats) -> tuple[float, float, float]:
