@@ -61,6 +61,12 @@ class ContextGrid(BaseModel):
     alike contexts: `padded_context`)."""
     backend: str | None = None
     """The attention backend measured (`gather`, `flex`)."""
+    draft_excess: float = Field(1.0, gt=0)
+    """What the draft's growth with context comes to on this machine, over this grid's (`scale`: a part at a context
+    costs 1 + excess x (measured growth - 1) times its cell): set by calibration (`Calibration.context_factor`),
+    1 as measured."""
+    verify_excess: float = Field(1.0, gt=0)
+    """The same for the verification."""
 
     @model_validator(mode="after")
     def _shape(self) -> "ContextGrid":
@@ -116,7 +122,10 @@ class ContextGrid(BaseModel):
         # copy of 16 tokens at 1,024 tokens of context came out 500x its price)
         k = min(k, self.ks[-1])
         at, ref = self.at(part, batch_size, k, context), self.at(part, batch_size, k, base)
-        return at / ref if at is not None and ref and ref > 0 else 1.0
+        if at is None or not ref or ref <= 0:
+            return 1.0
+        excess = self.draft_excess if part == "draft" else self.verify_excess
+        return max(1.0 + excess * (at / ref - 1.0), 0.05)
 
 
 class LatencyGrid(BaseModel):

@@ -158,6 +158,36 @@ def test_calibration_measures_the_machine_not_the_context():
         assert without.factor(part, 1) > 2.0, part
 
 
+def test_calibration_learns_how_this_machine_grows_with_context():
+    """A machine 1.3x the profile at its own context whose verification grows with context half as fast as the
+    profile's (its draft as profiled): the calibrated grid prices steps at 64 and at 2,048 tokens within 3%; with
+    the growth taken as profiled one factor would price one end or the other off by far more."""
+    g = grid()
+    truth = g.model_copy(update={"context": g.context.model_copy(update={"verify_excess": 0.5})})
+    cal, rng = Calibration(g, warmup=0), random.Random(1)
+    for _ in range(300):
+        k, ctx = rng.choice([1, 2, 4]), rng.choice([64, 256, 512, 1024, 2048])
+        d, v, o = (part[KS.index(k)] for part in truth.parts_at(8, ctx))
+        noise = rng.uniform(0.97, 1.03)
+        cal.observe(StepStats(batch_size=8, k=k, draft_s=1.3 * d * noise / 1000, verify_s=1.3 * v * noise / 1000,
+                              other_s=1.3 * o / 1000, contexts=(ctx,) * 8))
+    assert cal.context_factor("verify") == pytest.approx(0.5, abs=0.08)
+    assert cal.context_factor("draft") == pytest.approx(1.0, abs=0.08)
+    assert cal.factors()["verify_context"][8] == pytest.approx(cal.context_factor("verify"), abs=1e-4)
+    calibrated = cal.grid()
+    for ctx in (64, 2048):
+        for k in (1, 4):
+            want = 1.3 * truth.parts_at(8, ctx)[1][KS.index(k)]
+            assert calibrated.parts_at(8, ctx)[1][KS.index(k)] == pytest.approx(want, rel=0.03), (ctx, k)
+    # every step at one context: nothing to tell growth from level, the profile's growth stands
+    flat = Calibration(g, warmup=0)
+    for i in range(40):
+        d, v, o = (part[1] for part in truth.parts_at(8, 512))
+        flat.observe(StepStats(batch_size=8, k=1, draft_s=d / 1000, verify_s=v / 1000, other_s=o / 1000,
+                               contexts=(512,) * 8))
+    assert flat.context_factor("verify") == 1.0
+
+
 def test_measure_context_runs_the_engine_and_joins_a_profile(tmp_path):
     from serve_app.bench.context import bench_context, merge_into_profile
     from serve_app.models import LoadedModels

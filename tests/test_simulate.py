@@ -226,7 +226,8 @@ def test_validation_smoke_report_is_consistent_on_a_tiny_pair(tiny_model_dirs, t
     assert "PASSED" in (out / "summary.md").read_text() or "FAILED" in (out / "summary.md").read_text()
     # calibrated on this machine first (the default), and the summary says so
     assert r["calibration"]["used"] > 0 and set(r["calibration"]["factors"]) == {"draft", "verify", "other", "chunk",
-                                                                                "chunk_context"}
+                                                                                "chunk_context", "draft_context",
+                                                                                "verify_context"}
     assert "calibrated by the schedule at fixed:1 and fixed:4" in (out / "summary.md").read_text()
 
 

@@ -42,6 +42,8 @@ from serve_app.pricing import LatencyGrid, _between, best_k_table
 
 PARTS = ("draft", "verify", "other")
 CHUNK = "chunk"
+CONTEXT_PARTS = ("draft", "verify")
+"""The parts whose price grows with the KV a step's rows attend (the context axis)."""
 CHUNK_CONTEXT = "chunk_context"
 """The factor of a chunk's price for the KV its row held (`LatencyGrid.chunk_context_ms`), fitted apart."""
 CHUNK_FIELDS = ("chunk_step_ms", "chunk_ms_per_token", "chunk_draft_step_ms", "chunk_draft_ms_per_token",
@@ -64,6 +66,7 @@ class Calibration:
         self._grid, self._grid_at = grid, 0  # the calibrated grid the pace is measured against, and when made
         self._made: tuple[int, LatencyGrid] | None = None  # (samples used, the grid they made)
         self._fit: tuple[int, tuple[list[float], float]] | None = None  # (samples used, `_chunk_fit`'s answer)
+        self._excess: tuple[int, dict[str, float]] | None = None  # (samples used, `context_factor` per part)
         # decode parts: (k index, log measured / predicted); chunk: raw steps (see _chunk)
         self.samples = {(part, i): deque(maxlen=window) for part in PARTS + (CHUNK,) for i in range(len(grid.batch_sizes))}
         self.steps = 0  # decoding steps seen (warm-up included)
@@ -93,13 +96,15 @@ class Calibration:
         context = self.base.step_context(st.contexts)  # None without a context axis: cells stand for every context
         for part, seconds in zip(PARTS, (st.draft_s, st.verify_s, st.other_s)):
             # the draft by the forwards it ran (a grid cell at k ran k), the rest by the tokens verified, each at
-            # the context this step served
+            # the context this step served: kept as (k index, log measured / the cell at the grid's own context,
+            # the profile's growth there - 1), so the machine's factor and its growth with context fit apart
             kk = forwards if part == "draft" else k_rows
-            predicted = self.base.part_at(part, st.batch_size, kk, context)
+            cell = self.base.part_at(part, st.batch_size, kk)
+            predicted = self.base.part_at(part, st.batch_size, kk, context) if context is not None else cell
             j0, j1, wk = _between(self.base.ks, kk) if kk > 0 else (0, 0, 0.0)
-            if predicted > 0.05 and seconds > 0:  # a part the grid prices at ~0 says nothing
+            if predicted > 0.05 and cell > 0.05 and seconds > 0:  # a part the grid prices at ~0 says nothing
                 jj = j0 if wk < 0.5 else j1
-                self.samples[(part, group)].append((jj, math.log(seconds * 1000 / predicted)))
+                self.samples[(part, group)].append((jj, math.log(seconds * 1000 / cell), predicted / cell - 1))
                 took = True
         self.used += took
         return took
@@ -148,11 +153,45 @@ class Calibration:
         g = min(known, key=lambda g: (abs(g - i), g))
         return self.samples[(part, g)], g
 
+    def _logs(self, part: str, samples) -> list[tuple[int, float]]:
+        """A decode part's samples as (k index, log measured / predicted), predicted at the step's context with the
+        growth with context calibrated (`context_factor`)."""
+        excess = self.context_factor(part) if part in CONTEXT_PARTS else 1.0
+        return [(jj, r - math.log(max(1 + excess * x, 0.05))) for jj, r, x in samples]
+
+    def context_factor(self, part: str) -> float:
+        """How this machine's draft (verification) grows with context against the profile's: 1 + x growth becomes
+        1 + factor x. Fitted (`split_fit`) over every batch size's steps, each normalised by its (batch size, k)
+        median: steps at alike contexts tell nothing, so 1 where their growths do not spread."""
+        if self._excess is not None and self._excess[0] == self.used:
+            return self._excess[1][part]
+        found = {}
+        for name in CONTEXT_PARTS:
+            excess = 1.0
+            for _ in range(2):  # each (batch size, k)'s level with the growth so far, then the growth again
+                points = []
+                for g in range(len(self.base.batch_sizes)):
+                    by_k: dict[int, list] = {}
+                    for jj, r, x in self.samples[(name, g)]:
+                        by_k.setdefault(jj, []).append((r, x))
+                    for seen in by_k.values():
+                        if len(seen) >= 3:
+                            level = median(r - math.log(max(1 + excess * x, 0.05)) for r, x in seen)
+                            points += [(math.exp(r - level), 1.0, x) for r, x in seen if x > -0.9]
+                if not points:
+                    break
+                a, c = split_fit(points)
+                excess = min(max(c / a, 0.25), 4.0)
+            found[name] = excess
+        self._excess = (self.used, found)
+        return found[part]
+
     def ratio(self, part: str, i: int, j: int) -> float:
         """Measured / profiled time of one decode part at profiled batch size index i and k index j."""
         samples, g = self._evidence(part, i)
         if samples is None:
             return 1.0
+        samples = self._logs(part, samples)
         by_k: dict[int, list[float]] = {}
         for jj, r in samples:
             by_k.setdefault(jj, []).append(r)
@@ -178,7 +217,7 @@ class Calibration:
         if part == CHUNK:
             return self._chunk_fit()[0][i]
         samples, _ = self._evidence(part, i)
-        return math.exp(median(r for _, r in samples)) if samples is not None else 1.0
+        return math.exp(median(r for _, r in self._logs(part, samples))) if samples is not None else 1.0
 
     def _chunk_fit(self) -> tuple[list[float], float]:
         """([chunk factor per profiled batch size], the held-KV term's factor): `split_fit` over every group's
@@ -228,6 +267,10 @@ class Calibration:
                 scaled[name] = [v * chunk[i] for i, v in enumerate(values)]
         if self.base.chunk_context_ms is not None:  # one pair for every batch size, as its factor
             scaled["chunk_context_ms"] = [v * held for v in self.base.chunk_context_ms]
+        if self.base.context is not None:
+            ctx = self.base.context  # the samples' growth was the base's: the factor scales its excess
+            scaled["context"] = ctx.model_copy(update={f"{part}_excess": getattr(ctx, f"{part}_excess")
+                                                       * self.context_factor(part) for part in CONTEXT_PARTS})
         grid = self.base.model_copy(update=scaled)
         self._made = (self.used, grid)
         return grid
@@ -237,6 +280,8 @@ class Calibration:
         out = {part: {b: round(self.factor(part, i), 4) for i, b in enumerate(self.base.batch_sizes)}
                for part in PARTS + (CHUNK,)}
         out[CHUNK_CONTEXT] = {b: round(self._chunk_fit()[1], 4) for b in self.base.batch_sizes}
+        for part in CONTEXT_PARTS:  # one for every batch size, as `chunk_context`
+            out[f"{part}_context"] = {b: round(self.context_factor(part), 4) for b in self.base.batch_sizes}
         return out
 
     def drift(self) -> float:
