@@ -12,8 +12,10 @@ many prompt tokens (`LatencyGrid.chunk_ms`) and for the KV its row held (`chunk_
 fitted apart (`split_fit`): the `chunk` part's factor scales every prefill price of the grid (a profile measured
 before chunked prefill priced it another way), the `chunk_context` factor the held-KV term (one for every batch
 size, as the term is). A machine can run one over its profile and the other under it: this CPU ran a chunk's
-base 1.1-1.3x the profile's and its held-KV term below it, so one factor for both priced a chunk after no held KV
-21% under and one after 1,500 held tokens right.
+base 1.4-1.6x the profile's and its held-KV term at 0.8x, so one factor for both priced a chunk after no held KV
+21% under and one after 1,500 held tokens right. The decode parts are kept against the cell at the grid's own
+context with the profile's growth to the step's context beside them, so how this machine's draft and verification
+grow with context is fitted too (`context_factor`, one per part, the calibrated grid's `ContextGrid.*_excess`).
 
 The factors give the grid this machine's shape; its pace moves faster. A shared machine's speed drifts over
 seconds (neighbours, clocks): steps of one shape vary about 10% about their median here, and by runs of steps,
