@@ -92,8 +92,8 @@ class ContextGrid(BaseModel):
         context a least-squares line through the measured contexts (never falling: more KV never makes a step
         cheaper). Attention's cost grows linearly in the KV tokens; a line through every context measured also
         averages each one's noise, where joining them point to point carried one slow spell into every price
-        (this CPU's profile measured its shortest context's verification at twice the latency grid's own). None
-        where the batch size's cells lack a measured context on both sides."""
+        (this CPU's profile measured its shortest context's verification at twice the latency grid's own). One
+        context measured: its value; None where none was (a KV pool too small for those rows)."""
         cube = getattr(self, f"{part}_ms")
         i0, i1, wb = _between(self.batch_sizes, batch_size)
         j0, j1, wk = _between(self.ks, k) if k > 0 else (0, 0, 0.0)
