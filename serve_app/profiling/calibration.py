@@ -69,7 +69,8 @@ class Calibration:
         self._made: tuple[int, LatencyGrid] | None = None  # (samples used, the grid they made)
         self._fit: tuple[int, tuple[list[float], float]] | None = None  # (samples used, `_chunk_fit`'s answer)
         self._excess: tuple[int, dict[str, float]] | None = None  # (samples used, `context_factor` per part)
-        # decode parts: (k index, log measured / predicted); chunk: raw steps (see _chunk)
+        # decode parts: (k index, log measured / the cell at the grid's own context, the profile's growth to the
+        # step's context - 1; `_logs` makes them log measured / predicted); chunk: raw steps (see _chunk)
         self.samples = {(part, i): deque(maxlen=window) for part in PARTS + (CHUNK,) for i in range(len(grid.batch_sizes))}
         self.steps = 0  # decoding steps seen (warm-up included)
         self.used = 0  # steps that gave samples
@@ -304,12 +305,13 @@ SPLIT_MAX_POINTS = 96
 
 
 def split_fit(points, held: float | None = None) -> tuple[float, float]:
-    """(base factor, held-KV factor) of chunk steps' (measured ms, base price, held-KV price): measured = base x
-    a + held x c. With the share s = held / (base + held) of each price, measured / price = a + (c - a) s, a line
-    in s fitted robustly (Theil-Sen: the median slope over pairs, the median intercept), so a few steps a
-    neighbour slowed do not tilt it. `held` given: c is that and a the median of what each point says. One factor
-    for both (the median ratio) where the shares do not spread (`SPLIT_MIN_SPREAD`) or no held KV was priced;
-    each within 3x of it (a line's end past every point can run far)."""
+    """(a, c) of points (measured, base price, extra price) where measured = base x a + extra x c: a chunk step's
+    base and held-KV prices (`_chunk_fit`), or a decode part's level and its growth with context (`context_factor`).
+    With the share s = extra / (base + extra) of each price, measured / price = a + (c - a) s, a line in s fitted
+    robustly (Theil-Sen: the median slope over pairs, the median intercept), so a few steps a neighbour slowed do
+    not tilt it. `held` given: c is that and a the median of what each point says. One factor for both (the median
+    ratio) where the shares do not spread (`SPLIT_MIN_SPREAD`) or no extra was priced; each within 3x of it (a
+    line's end past every point can run far)."""
     if not points:
         return 1.0, held if held is not None else 1.0
     r = [m / (b + h) for m, b, h in points]
