@@ -24,16 +24,24 @@ twice max(this, the group's shortest) share one padded attention call, padded to
 opens the next group. The `padded` layout prices a step the way that pads it (`padded_context`)."""
 
 
+def pad_groups(lengths: list[int]) -> list[list[int]]:
+    """The indices of `lengths` (rows' contexts) in ascending order of length, split into the groups the gather
+    backend pads together: a row longer than twice max(`PAD_GROUP_CONTEXT`, its group's shortest) opens the next."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if groups and lengths[i] <= 2 * max(PAD_GROUP_CONTEXT, lengths[groups[-1][0]]):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 def padded_context(contexts) -> float:
     """KV tokens a row pays for, on the mean, when the gather backend pads each group of rows of alike context to its
-    longest (`PAD_GROUP_CONTEXT`): three chat rows of 100 tokens beside one document of 1,700 pay (3 x 100 + 1,700) / 4
+    longest (`pad_groups`): three chat rows of 100 tokens beside one document of 1,700 pay (3 x 100 + 1,700) / 4
     = 500, not 1,700 each (one call would pad them all to it; the backend makes two)."""
-    total, group = 0, []
-    for c in sorted(contexts):
-        if group and c > 2 * max(PAD_GROUP_CONTEXT, group[0]):
-            total, group = total + len(group) * group[-1], []
-        group.append(c)
-    return (total + len(group) * group[-1]) / len(contexts)
+    contexts = list(contexts)
+    return sum(len(g) * contexts[g[-1]] for g in pad_groups(contexts)) / len(contexts)
 
 
 class ContextGrid(BaseModel):

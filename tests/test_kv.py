@@ -61,9 +61,9 @@ def test_packed_forward_matches_the_model_alone(tiny_target, monkeypatch, backen
     """Rows at different positions, one of them a long chunk, in one packed forward: each row's logits
     are the plain model's over its whole context, with every attention backend (gather: short rows in
     one attention call, or split by context length; flex: the pool read in place)."""
-    from serve_app.engine import attention
+    from serve_app import pricing
 
-    monkeypatch.setattr(attention, "SHORT_CONTEXT", short_context)
+    monkeypatch.setattr(pricing, "PAD_GROUP_CONTEXT", short_context)  # the gather backend groups by it
     w = ModelWorker(tiny_target, "target")
     assert w.configure_kv(block_size=4, max_blocks=256, attention_backend=backend) == backend
     prompts = {"a": list(range(3, 13)), "b": [5, 6], "c": list(range(10, 90))}

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serve_app.pricing import PAD_GROUP_CONTEXT
+from serve_app.pricing import pad_groups
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +35,6 @@ BACKENDS = ("gather", "flex")
 
 TRASH = 0
 """Block 0 is never handed out: padded reads in a batched attention call point there (masked)."""
-
-SHORT_CONTEXT = PAD_GROUP_CONTEXT
-"""gather: short rows whose contexts are all under twice this many tokens share one call whatever their spread
-(the pricing's `padded` layout prices a step by the same grouping)."""
 
 SHORT_ROW = 16
 """gather: rows feeding at most this many tokens (or twice the fewest any row feeds) share one attention
@@ -80,17 +76,12 @@ class Group:
 
 def gather_layout(rows: list[Row], pos: torch.Tensor, block_size: int) -> list[Group]:  # pos [T]
     # Rows feeding about as few tokens as the shortest (decoding, verifying) share padded attention calls,
-    # grouped by context length (within 2x of each other) so short contexts do not pad to a long one's;
+    # grouped by context length (`pricing.pad_groups`, which the `padded` price reads too) so short contexts do
+    # not pad to a long one's;
     # a row feeding many more (a prefill chunk) gets its own call, so nobody pads to its width.
     width = max(SHORT_ROW, 2 * min(r.n for r in rows))
-    groups, group = [], []
-    for r in sorted((r for r in rows if r.n <= width), key=lambda r: r.start + r.n):
-        if group and r.start + r.n > 2 * max(SHORT_CONTEXT, group[0].start + group[0].n):
-            groups.append(_group(group, pos, block_size))
-            group = []
-        group.append(r)
-    if group:
-        groups.append(_group(group, pos, block_size))
+    short = [r for r in rows if r.n <= width]
+    groups = [_group([short[i] for i in g], pos, block_size) for g in pad_groups([r.start + r.n for r in short])]
     return groups + [_group([r], pos, block_size) for r in rows if r.n > width]
 
 
