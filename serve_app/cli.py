@@ -225,8 +225,8 @@ def _parser() -> argparse.ArgumentParser:
     br.add_argument("--scale", type=float, default=0.3, help="schedule length (1.0: bench policies' full length)")
     br.add_argument("--grid-batches", default="1,4,16", help="the closed-loop grid's batch sizes ('' skips the grid)")
     br.add_argument("--grid-contexts", default="64,512,2048", help="the grid's document lengths in tokens")
-    br.add_argument("--grid-rounds", type=int, default=4, help="requests per stream in each grid cell (each its own "
-                                                               "document)")
+    br.add_argument("--grid-rounds", type=int, default=4, help="requests per stream in each grid cell, at least "
+                                                               "8 streams' worth (each its own document)")
     br.add_argument("--deadline", type=float, default=None, help="seconds: grid cells not started by then stay empty "
                                                                   "(named in the results)")
     br.add_argument("--seed", type=int, default=0)

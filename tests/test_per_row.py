@@ -230,6 +230,21 @@ def test_budget_plans_by_price_and_learns_from_outcomes():
     assert not pol.choose(BatchState(8, 6, False))
 
 
+def test_budget_speculates_where_its_best_uniform_k_pays():
+    """Whether a step speculates at all read a geometric acceptance (a^i at position i) while the step's worth
+    read it per position: drafts that got going keep agreeing (a document's), so a per-token a of 2/3 undersold
+    the second position, and budget ran k = 0 where its own best uniform k was 2 (the replay's batch-1 document
+    cell). Both read the same per-position chances now."""
+    pol = Budget(hand_grid(), 0.5, probe_every=0)
+    for i in range(300):  # every row: the first two drafts accepted, the third not
+        pol.observe(StepStats(batch_size=1, k=4, proposed=4, accepted=2, accepted_per_position=[1, 1, 0, 0],
+                              rows=RowOutcomes([f"r{i}"], [4], [2], [[0.9] * 4], [False])))
+    k, rate = pol.uniform(1)
+    assert k == 2 and rate > 1 / 10  # 3 tokens in 19 ms beat 1 in 10
+    assert pol.worth_it(1, 4, [1.0], rate, pol.prices(1, None, k + 1))
+    assert isinstance(pol.choose(BatchState(1, 4, True, ("new",))), DraftPlan)
+
+
 def test_confidence_curve_starts_at_the_confidence_and_follows_outcomes():
     c = ConfidenceCurve(prior=8)
     assert c(0.33) == pytest.approx(0.35) and c(1.0) == pytest.approx(0.95)

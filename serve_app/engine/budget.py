@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from serve_app.engine.draftplan import CURVE_BINS, DraftPlan
 from serve_app.engine.stats import RowOutcomes, StepStats
-from serve_app.pricing import LatencyGrid, context_bucket, expected_tokens, line
+from serve_app.pricing import LatencyGrid, context_bucket, line
 
 
 RECORD_TTL_STEPS = 256
@@ -205,10 +205,11 @@ class Budget:
         """`curve`: the model draft's acceptance per confidence bin measured at profiling
         (`Profile.confidence_curve`), where its free-text curve starts; None: at the confidence itself."""
         self.grid, self.probe_every = grid, probe_every
-        self.a, self.a_trials = acceptance_rate * 128.0, 128.0  # per-token acceptance (metrics, worth_it)
+        self.a, self.a_trials = acceptance_rate * 128.0, 128.0  # per-token acceptance (metrics)
         # acceptance per draft position given every earlier one was accepted (the step's worth): a geometric a
-        # undersells depth where a draft that got going keeps agreeing (documents, code), so the best uniform k
-        # and the depth model rows may reach come from these (`expected`), learnt from the rows
+        # undersells depth where a draft that got going keeps agreeing (documents, code), so the best uniform k,
+        # the depth model rows may reach and whether to speculate at all come from these (`expected`), learnt
+        # from the rows
         depth = max(max(grid.ks), 1)
         self.a0 = acceptance_rate
         self.pos_hits, self.pos_trials = [0.0] * depth, [0.0] * depth
@@ -236,15 +237,16 @@ class Budget:
             p = self._prices[key] = prices(self.grid, batch_size, key[1], upto)
         return p
 
-    def expected(self, k: int) -> float:
+    def expected(self, k: int, scale: float = 1.0) -> float:
         """Tokens a row yields at uniform k with the live acceptance per position: 1 + sum over i < k of the
-        chance that drafts 0..i are all accepted."""
+        chance that drafts 0..i are all accepted. `scale`: a request's record against the curve
+        (`RequestRecord.scale`), applied to each position's chance (at most 0.95)."""
         out, chance, c = 1.0, 1.0, self.a0
         for j in range(min(k, len(self.pos_hits))):
             # a position with few outcomes leans on the one before it (the first on the profile's a): deeper
             # positions are reached less often, and a capped depth would otherwise never learn the next one
             c = (self.pos_hits[j] + POSITION_PRIOR * c) / (self.pos_trials[j] + POSITION_PRIOR)
-            chance *= c
+            chance *= c if scale == 1.0 else min(c * scale, 0.95)
             out += chance
         return out
 
@@ -299,13 +301,12 @@ class Budget:
                          model_depth=min(max(k_uniform, 1) + probe, state.max_k))
 
     def worth_it(self, b: int, max_k: int, scales: list[float], rate: float, p: Prices) -> bool:
-        """Whether speculating at all pays this step: for some depth d, the rows' expected accepted tokens
-        (per-token acceptance a x the row's scale, geometric) beat the price of d forwards, their tokens and
-        the fixed cost. The walk then trims each row to what its draft's confidence is worth."""
-        a = self.acceptance_estimate
-        per_row = [min(a * s, 0.95) for s in scales]
+        """Whether speculating at all pays this step: for some depth d, the rows' expected accepted tokens (the
+        live acceptance per position, as `uniform` reads it, each position's chance x the row's scale) beat the
+        price of d forwards, their tokens and the fixed cost. The walk then trims each row to what its draft's
+        confidence is worth."""
         for d in range(1, max_k + 1):
-            gain = sum(expected_tokens(x, d) - 1.0 for x in per_row)
+            gain = sum(self.expected(d, s) - 1.0 for s in scales)
             if gain > rate * (p.on_ms + d * (p.forward_ms + b * p.token_ms)):
                 return True
         return False
