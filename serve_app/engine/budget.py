@@ -237,18 +237,23 @@ class Budget:
             p = self._prices[key] = prices(self.grid, batch_size, key[1], upto)
         return p
 
-    def expected(self, k: int, scale: float = 1.0) -> float:
-        """Tokens a row yields at uniform k with the live acceptance per position: 1 + sum over i < k of the
-        chance that drafts 0..i are all accepted. `scale`: a request's record against the curve
-        (`RequestRecord.scale`), applied to each position's chance (at most 0.95)."""
-        out, chance, c = 1.0, 1.0, self.a0
+    def chances(self, k: int, scale: float = 1.0) -> list[float]:
+        """Per draft position i < k (up to the depth learnt): the chance that drafts 0..i are all accepted, with the
+        live acceptance per position. `scale`: a request's record against the curve (`RequestRecord.scale`),
+        applied to each position's chance, then at most 0.95 (a good record never makes a token sure)."""
+        out, chance, c = [], 1.0, self.a0
         for j in range(min(k, len(self.pos_hits))):
             # a position with few outcomes leans on the one before it (the first on the profile's a): deeper
             # positions are reached less often, and a capped depth would otherwise never learn the next one
             c = (self.pos_hits[j] + POSITION_PRIOR * c) / (self.pos_trials[j] + POSITION_PRIOR)
             chance *= c if scale == 1.0 else min(c * scale, 0.95)
-            out += chance
+            out.append(chance)
         return out
+
+    def expected(self, k: int) -> float:
+        """Tokens a row yields at uniform k with the live acceptance per position: 1 + sum over i < k of the
+        chance that drafts 0..i are all accepted."""
+        return 1.0 + sum(self.chances(k))
 
     def uniform(self, batch_size: int, context: float | None = None) -> tuple[int, float]:
         """The best uniform k at this batch size (and context) with the live acceptance, and its tokens per ms
@@ -305,8 +310,10 @@ class Budget:
         live acceptance per position, as `uniform` reads it, each position's chance x the row's scale) beat the
         price of d forwards, their tokens and the fixed cost. The walk then trims each row to what its draft's
         confidence is worth."""
+        at = [sum(col) for col in zip(*(self.chances(max_k, s) for s in scales))]  # per position, over the rows
+        gain = 0.0
         for d in range(1, max_k + 1):
-            gain = sum(self.expected(d, s) - 1.0 for s in scales)
+            gain += at[d - 1] if d <= len(at) else 0.0
             if gain > rate * (p.on_ms + d * (p.forward_ms + b * p.token_ms)):
                 return True
         return False
