@@ -240,7 +240,8 @@ class Budget:
     def chances(self, k: int, scale: float = 1.0) -> list[float]:
         """Per draft position i < k (up to the depth learnt): the chance that drafts 0..i are all accepted, with the
         live acceptance per position. `scale`: a request's record against the curve (`RequestRecord.scale`),
-        applied to each position's chance, then at most 0.95 (a good record never makes a token sure)."""
+        applied to each position's chance; a chance so scaled is at most 0.95 (a good record never makes a token
+        sure), the live chance itself (scale 1) is left as learnt."""
         out, chance, c = [], 1.0, self.a0
         for j in range(min(k, len(self.pos_hits))):
             # a position with few outcomes leans on the one before it (the first on the profile's a): deeper
