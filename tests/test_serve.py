@@ -1301,7 +1301,12 @@ def test_guidellm_runs_a_concurrent_benchmark_with_no_errors(smol, service, tmp_
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     [bench] = json.loads(out.read_text())["benchmarks"]
-    assert bench["metrics"]["request_totals"] == {"successful": 8, "errored": 0, "incomplete": 0, "total": 8}
+    state = bench["scheduler_state"]  # the scheduler's own tally of every request it sent and saw end
+    assert [state[f"{n}_requests"] for n in ("created", "processed", "successful", "errored", "cancelled")] == [8, 8, 8, 0, 0]
+    # Its report counts the requests inside its measured window, which ends at the completion that met the
+    # constraint; two requests ending together can reach it out of order, leaving the later one past the window.
+    totals = bench["metrics"]["request_totals"]
+    assert totals["errored"] == totals["incomplete"] == 0 and totals["successful"] == totals["total"] >= 7, totals
 
 
 def test_losing_a_node_moves_its_groups_traffic_to_the_other_group(service):
