@@ -301,9 +301,9 @@ def test_fleet_engine_agrees_with_the_step_engine(policy, chunked):
     to 300 tokens prefill over several steps beside the decoding batch."""
     from serve_app.sim.fleetsim import simulate_fleet
 
-    # The CPU profile as committed before it had measured chunk prices (its prefill priced per token).
-    # With the re-measured profile's chunk prices the fleet engine's TTFT comes out ~20% above the step
-    # engine's on unchunked traces: a known gap, to be found in fleetsim's prefill model.
+    # The CPU profile as committed before it had measured chunk prices (its prefill priced per token); the
+    # committed one's unchunked TTFT is checked closer below. With the committed profile under these chunked
+    # prices the fleet engine's TTFT still comes out up to 25% below the step engine's (fixed:4).
     profile = Profile.model_validate(json.loads((ROOT / "tests" / "data" / "cpu-2core-before-chunk-prices.json").read_text()))
     kw, prompts = {}, (30, 60)
     if chunked:
@@ -330,10 +330,11 @@ def test_fleet_engine_agrees_with_the_step_engine(policy, chunked):
     assert res.arrivals == len(res.e2e) > 50 and (res.ttft <= res.e2e + 1e-9).all() and (res.ttft > 0).all()
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: on the committed profile's measured chunk prices the fleet engine's "
-                                      "TTFT comes out ~20% off the step engine's (fleetsim's prefill model); "
-                                      "strict: this test fails the suite once the gap is closed, to be made a plain test")
-def test_fleet_engine_ttft_agrees_with_the_step_engine_on_the_committed_profile():
+@pytest.mark.parametrize("policy", ["none", "fixed:1", "fixed:4"])
+def test_fleet_engine_ttft_agrees_with_the_step_engine_on_the_committed_profile(policy):
+    """A prompt reaching a decoding replica waits for the step under way: a uniform part of it (TTFT median and
+    p90 within 5%). With a fixed half step of the feeding step's price (decode step and chunk) the fleet engine's
+    median came out 8-18% above the step engine's and its p90 up to 8% below."""
     from serve_app.sim.fleetsim import simulate_fleet
 
     profile = Profile.model_validate(json.loads((ROOT / "profiles" / "cpu-2core.json").read_text()))
@@ -342,10 +343,11 @@ def test_fleet_engine_ttft_agrees_with_the_step_engine_on_the_committed_profile(
     while t < 90:
         t += rng.exponential(1 / 6.0)
         trace.append((t, int(rng.integers(30, 60)), int(rng.integers(16, 48))))
-    exact = simulate({"cpu-2core": 4}, {"cpu-2core": profile}, "fixed:1", trace=trace, max_batch=8).summary()
-    fleet = simulate_fleet({"cpu-2core": 4}, {"cpu-2core": profile}, "fixed:1", trace=trace, max_batch=8,
+    exact = simulate({"cpu-2core": 4}, {"cpu-2core": profile}, policy, trace=trace, max_batch=8).summary()
+    fleet = simulate_fleet({"cpu-2core": 4}, {"cpu-2core": profile}, policy, trace=trace, max_batch=8,
                            tick_s=0.05).summary()
-    assert fleet["ttft_p50_s"] == pytest.approx(exact["ttft_p50_s"], rel=0.15)
+    for q in ("ttft_p50_s", "ttft_p90_s"):
+        assert fleet[q] == pytest.approx(exact[q], rel=0.05), q
 
 
 @pytest.mark.parametrize("engine", ["step", "fleet"])

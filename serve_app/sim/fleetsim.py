@@ -367,7 +367,7 @@ class _Fleet:
         self._log(t, batch, ks)
         self._observe(batch, ks)
         if len(pre):
-            self._prefill(t + begin / 1000, pre, fed, chunk, feed_ms, price, batch)
+            self._prefill(t + begin / 1000, pre, fed, chunk, feed_ms, price, batch, step_ms)
         if not len(dec):
             return []
         r = req.replica[dec]
@@ -396,13 +396,14 @@ class _Fleet:
         req.keep(keep)
         return [(users, done)]
 
-    def _prefill(self, start: np.ndarray, pre: np.ndarray, fed: np.ndarray, chunk: np.ndarray, step_ms: np.ndarray,
-                 price: np.ndarray, batch: np.ndarray) -> None:
+    def _prefill(self, start: np.ndarray, pre: np.ndarray, fed: np.ndarray, chunk: np.ndarray, feed_ms: np.ndarray,
+                 price: np.ndarray, batch: np.ndarray, decode_ms: np.ndarray) -> None:
         """Feed `fed` [R] prompt tokens to each replica's prefilling requests, first admitted first, from
-        `start` [R] (seconds; step_ms [R]: a feeding step before its tokens' price). A prompt
+        `start` [R] (seconds; feed_ms [R]: a feeding step before its tokens' price). A prompt
         whose last token is fed gets its first token at the end of that step: after ceil(tokens fed up to
-        it / chunk) steps and those tokens' price; and not before its arrival, a step boundary (half a
-        step on average, when the replica is decoding) and its own prefill. A one-token answer is done then."""
+        it / chunk) steps and those tokens' price; and not before its arrival, a step boundary (a uniform
+        part of the decode step it lands in, decode_ms [R], when the replica is decoding) and its own prefill. A
+        one-token answer is done then."""
         req = self.req
         pre = pre[np.lexsort((req.seq[pre], req.replica[pre]))]  # by replica, then admission (arrival) order
         r, left = req.replica[pre], req.left[pre]
@@ -415,10 +416,11 @@ class _Fleet:
             return
         now_in, ri, cum = pre[done], r[done], cum[done]
         req.left[now_in] = 0.0
-        c, s, p = np.maximum(chunk[ri], 1), step_ms[ri], price[ri]
+        c, s, p = np.maximum(chunk[ri], 1), feed_ms[ri], price[ri]
         first = start[ri] + (np.ceil(cum / c - 1e-9) * s + cum * p) / 1000
         own = req.prompt[now_in]
-        wait = np.where(batch[ri] > 0, 0.5 * s, 0.0)
+        # it lands at a uniform point of the decode step under way (a fixed half step narrows the TTFT spread)
+        wait = np.where(batch[ri] > 0, self.rng.uniform(size=len(ri)) * decode_ms[ri], 0.0)
         arrived = req.arrival[now_in] + (wait + np.ceil(own / c - 1e-9) * s + own * p) / 1000
         req.first[now_in] = np.maximum(first, arrived)
         req.generated[now_in] = 1.0  # decoding from the next tick (a one-token answer finishes there, at `first`)
