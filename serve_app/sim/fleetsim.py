@@ -12,8 +12,8 @@ numpy arrays over replicas and requests in flight. Within a tick a replica:
   model: no per-step draws). Its pending prompt tokens go first, in whole steps that each feed up to
   C = budget - b * (k + 1) of them (first admitted first) beside the decoding batch and cost the
   decode step's time plus the profile's chunk price (`LatencyGrid.chunk_ms`: a fixed part per step, a
-  part per prompt token); a step that only prefills costs the batch-1, k = 0 step plus its chunk, as
-  in `simulate.py`. As many such steps run as the prompts need or the tick holds (the last may run past
+  part per prompt token; `chunk_context_cost`: a part per token its row already holds); a step that
+  only prefills costs the batch-1, k = 0 step plus its chunk, as in `simulate.py`. As many such steps run as the prompts need or the tick holds (the last may run past
   the tick's end: a debt the replica pays first in the next tick); then it decodes for the rest of the
   tick, a fractional number of steps of the profile's step time;
 - gives a prompt its first token at the end of the step that feeds its last token, and decodes it from
@@ -52,6 +52,7 @@ class FleetTables:
     step_ms: np.ndarray  # [G, max_batch + 1, max_k + 1] step latency at batch b and k (b = 0: batch 1, k = 0)
     chunk_step_ms: np.ndarray  # [G, max_batch + 1] fixed price of a step that prefills, beside b decoding (b = 0: 1)
     chunk_ms_per_token: np.ndarray  # [G, max_batch + 1] price per prompt token fed, beside b decoding (b = 0: 1)
+    chunk_context_ms: np.ndarray  # [G, 2] a chunk's price per token its row holds, and per held x fed token
     tokens_per_step: np.ndarray  # [G, max_k + 1] expected tokens per sequence per step at k
     marginal: list[list[float]]  # per group: P(draft token i accepted), i < max_k
 
@@ -62,6 +63,7 @@ def build_tables(profiles: list[Profile], max_batch: int, max_k: int, draft: boo
     chunk = np.zeros((G, max_batch + 1))
     fixed = np.zeros((G, max_batch + 1))
     tokens = np.ones((G, max_k + 1))
+    context = np.zeros((G, 2))
     marginal = []
     for g, prof in enumerate(profiles):
         grid = prof.latency
@@ -73,10 +75,11 @@ def build_tables(profiles: list[Profile], max_batch: int, max_k: int, draft: boo
             chunk[g, b], fixed[g, b] = two - one, 2 * one - two
         step[g, 0] = step[g, 1, 0]  # only prefilling: one forward, as a batch-1 plain step
         chunk[g, 0], fixed[g, 0] = chunk[g, 1], fixed[g, 1]
+        context[g] = grid.chunk_context_ms or (0.0, 0.0)  # `LatencyGrid.chunk_context_cost`; unmeasured: free
         m = marginal_acceptance(prof, max_k)
         marginal.append(m)
         tokens[g] = [1.0 + sum(m[:k]) for k in range(max_k + 1)]
-    return FleetTables(step, fixed, chunk, tokens, marginal)
+    return FleetTables(step, fixed, chunk, context, tokens, marginal)
 
 
 def waterfill(loads: np.ndarray, count: int) -> np.ndarray:
@@ -346,6 +349,10 @@ class _Fleet:
         price = self.tables.chunk_ms_per_token[g, b]  # [R] ms per prompt token
         feed_ms = step_ms + self.tables.chunk_step_ms[g, b]  # [R] a step that prefills, before its tokens' price
         pending = np.bincount(req.replica[pre], weights=req.left[pre], minlength=R)  # [R] prompt tokens to feed
+        # what the chunks' rows already hold, as a price per pending token (a fluid share; `_prefill` is exact)
+        held_ms = np.bincount(req.replica[pre], weights=self._held_ms(pre, req.prompt[pre] - req.left[pre],
+                                                                       req.left[pre], chunk), minlength=R)
+        fed_price = price + np.where(pending > 0, held_ms / np.maximum(pending, 1), 0.0)  # [R]
         # A replica still busy with an earlier tick's last step (debt) starts that much later. It feeds its
         # pending prompt tokens first, in whole steps of up to C tokens, each the decode step's time and
         # the chunk's fixed price plus its tokens' price, as many as the tick needs or holds (the last
@@ -355,11 +362,11 @@ class _Fleet:
         can = free & (chunk > 0) & (pending > 0)
         c = np.maximum(chunk, 1)
         needed = np.ceil(np.where(can, pending / c, 0.0) - 1e-9)  # [R] steps to feed them all
-        fits = needed * feed_ms + pending * price <= tick_ms - begin
-        prefill_steps = np.where(fits, needed, np.minimum(np.ceil((tick_ms - begin) / (feed_ms + c * price)), needed))
+        fits = needed * feed_ms + pending * fed_price <= tick_ms - begin
+        prefill_steps = np.where(fits, needed, np.minimum(np.ceil((tick_ms - begin) / (feed_ms + c * fed_price)), needed))
         prefill_steps = np.where(can, prefill_steps, 0.0)  # [R]
         fed = np.where(can, np.minimum(prefill_steps * c, pending), 0.0)  # [R] prompt tokens fed
-        prefill_ms = prefill_steps * feed_ms + fed * price  # [R]
+        prefill_ms = prefill_steps * feed_ms + fed * fed_price  # [R]
         rest = tick_ms - begin - prefill_ms
         decode_steps = np.where(free & (batch > 0) & (rest > 0), rest / step_ms, 0.0)  # [R] after the prompts are in
         self.debt = np.where(free, np.maximum(-rest, 0.0), self.debt - tick_ms)
@@ -379,7 +386,7 @@ class _Fleet:
         if not len(fin):
             return []
         m = need[ends] / per_step[rf]  # steps until its last token: the prefilling steps first, then plain ones
-        during = np.ceil(m - 1e-9) * feed_ms[rf] + np.minimum(np.ceil(m - 1e-9) * chunk[rf], fed[rf]) * price[rf]
+        during = np.ceil(m - 1e-9) * feed_ms[rf] + np.minimum(np.ceil(m - 1e-9) * chunk[rf], fed[rf]) * fed_price[rf]
         after = prefill_ms[rf] + (m - prefill_steps[rf]) * step_ms[rf]
         at_ms = begin[rf] + np.where(m <= prefill_steps[rf], during, after)
         done = np.maximum(t + at_ms / 1000, req.first[fin])
@@ -396,33 +403,47 @@ class _Fleet:
         req.keep(keep)
         return [(users, done)]
 
+    def _held_ms(self, rows: np.ndarray, done: np.ndarray, left: np.ndarray, chunk: np.ndarray) -> np.ndarray:
+        """[rows] ms their chunks pay for what their rows already hold (`LatencyGrid.chunk_context_cost`) while
+        `left` more prompt tokens go in, `chunk` [R] at a time, after `done` are in: held done, done + C, ..."""
+        r = self.req.replica[rows]
+        c = np.maximum(chunk[r], 1)
+        m = np.ceil(left / c - 1e-9)  # chunks to go
+        per_held, per_pair = self.tables.chunk_context_ms[self.group_of[r]].T
+        return (m * done + c * m * (m - 1) / 2) * (per_held + per_pair * c)
+
     def _prefill(self, start: np.ndarray, pre: np.ndarray, fed: np.ndarray, chunk: np.ndarray, feed_ms: np.ndarray,
                  price: np.ndarray, batch: np.ndarray, decode_ms: np.ndarray) -> None:
         """Feed `fed` [R] prompt tokens to each replica's prefilling requests, first admitted first, from
-        `start` [R] (seconds; feed_ms [R]: a feeding step before its tokens' price). A prompt
-        whose last token is fed gets its first token at the end of that step: after ceil(tokens fed up to
-        it / chunk) steps and those tokens' price; and not before its arrival, a step boundary (a uniform
-        part of the decode step it lands in, decode_ms [R], when the replica is decoding) and its own prefill. A
-        one-token answer is done then."""
+        `start` [R] (seconds; feed_ms [R]: a feeding step before its tokens' price; price [R]: ms per token
+        fed, before what the rows hold, `_held_ms`). A prompt whose last token is fed gets its first token at
+        the end of that step: after ceil(tokens fed up to it / chunk) steps, those tokens' price and their
+        rows' held price; and not before its arrival, a step boundary (a uniform part of the decode step it
+        lands in, decode_ms [R], when the replica is decoding) and its own prefill. A one-token answer is
+        done then."""
         req = self.req
         pre = pre[np.lexsort((req.seq[pre], req.replica[pre]))]  # by replica, then admission (arrival) order
         r, left = req.replica[pre], req.left[pre]
-        cum = np.cumsum(left)
         run = np.searchsorted(r, r, side="left")  # first row of each replica's run
-        cum -= (cum[run] - left[run])  # cumulative within the replica
+
+        def within(x):  # cumulative within each replica's run
+            cum = np.cumsum(x)
+            return cum - (cum[run] - x[run])
+
+        cum, held = within(left), within(self._held_ms(pre, req.prompt[pre] - left, left, chunk))
         req.left[pre] = np.clip(cum - fed[r], 0.0, left)
         done = req.left[pre] <= 1e-9
         if not done.any():
             return
-        now_in, ri, cum = pre[done], r[done], cum[done]
+        now_in, ri, cum, held = pre[done], r[done], cum[done], held[done]
         req.left[now_in] = 0.0
         c, s, p = np.maximum(chunk[ri], 1), feed_ms[ri], price[ri]
-        first = start[ri] + (np.ceil(cum / c - 1e-9) * s + cum * p) / 1000
+        first = start[ri] + (np.ceil(cum / c - 1e-9) * s + cum * p + held) / 1000
         own = req.prompt[now_in]
         # it lands at a uniform point of the decode step under way (a fixed half step narrows the TTFT spread)
         wait = np.where(batch[ri] > 0, self.rng.uniform(size=len(ri)) * decode_ms[ri], 0.0)
-        arrived = req.arrival[now_in] + (wait + np.ceil(own / c - 1e-9) * s + own * p) / 1000
-        req.first[now_in] = np.maximum(first, arrived)
+        own_ms = np.ceil(own / c - 1e-9) * s + own * p + self._held_ms(now_in, 0.0, own, chunk)
+        req.first[now_in] = np.maximum(first, req.arrival[now_in] + (wait + own_ms) / 1000)
         req.generated[now_in] = 1.0  # decoding from the next tick (a one-token answer finishes there, at `first`)
 
     def _log(self, t: float, batch: np.ndarray, ks: np.ndarray) -> None:
