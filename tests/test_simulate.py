@@ -360,6 +360,29 @@ def test_fleet_engine_agrees_with_the_step_engine_on_the_committed_profile(polic
         assert fleet[key] == pytest.approx(exact[key], rel=rel), key
 
 
+def test_both_engines_price_a_decode_step_at_its_rows_context():
+    """Eight 2,000-token prompts prefilled in one step, then decoded together: on the committed profile's context axis
+    a batch-8 step at ~2,017 tokens is 2.8x its price at the grid's own 56, and both engines charge that (TPOT); a
+    policy is asked at the rows' context, as the engine asks it (lut: k = 1 there, 2 at short context)."""
+    from serve_app.engine.policy import BatchState, make_policy
+    from serve_app.sim.fleetsim import simulate_fleet
+
+    profile = Profile.model_validate(json.loads((ROOT / "profiles" / "cpu-2core.json").read_text()))
+    grid = profile.latency
+    assert grid.step_ms(8, 2017.0)[0] > 2.5 * grid.step_ms(8)[0]
+    kw = dict(trace=[(1.0 + 0.001 * i, 2000, 33) for i in range(8)], max_batch=8, max_num_batched_tokens=16384)
+    for engine in (simulate, lambda *a, **k: simulate_fleet(*a, tick_s=0.05, **k)):
+        tpot = engine({"c": 1}, {"c": profile}, "none", **kw).summary()["tpot_p50_s"]
+        assert tpot * 1000 == pytest.approx(grid.step_ms(8, 2017.0)[0], rel=0.02)
+    lut = make_policy("lut", profile)
+    assert lut.choose(BatchState(8, 8, True, contexts=(56,) * 8)) == 2
+    assert lut.choose(BatchState(8, 8, True, contexts=(2048,) * 8)) == 1
+    run = simulate({"c": 1}, {"c": profile}, "lut", **kw)
+    assert {k for _, b, k, _ in run.replicas[0].steps if b == 8} == {1}
+    fleet = simulate_fleet({"c": 1}, {"c": profile}, "lut", tick_s=0.05, **kw)
+    assert 1 in fleet.k[:, 0] and (fleet.k[:, 0][~np.isnan(fleet.k[:, 0])] <= 3).all()
+
+
 @pytest.mark.parametrize("engine", ["step", "fleet"])
 def test_routing_counts_replicas_per_group(engine):
     """The ingress compares groups by requests in flight per replica: a 1-replica group next to a

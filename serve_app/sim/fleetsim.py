@@ -6,22 +6,26 @@ steps. This engine advances all replicas together, one tick (`tick_s`, default 0
 numpy arrays over replicas and requests in flight. Within a tick a replica:
 - admits waiting requests FIFO up to its max batch (decoding + prefilling; admitting costs nothing,
   the KV pool is not modelled here);
-- steps at the k its policy gives for its decoding batch b, lowered so that b * (k + 1) fits the step's
-  token budget (`max_num_batched_tokens`, less a block's worth while prompts are prefilling), each
-  sequence gaining the expected tokens per step, 1 + acceptance[0] + ... + acceptance[k-1] (a fluid
-  model: no per-step draws). Its pending prompt tokens go first, in whole steps that each feed up to
-  C = budget - b * (k + 1) of them (first admitted first) beside the decoding batch and cost the
-  decode step's time plus the profile's chunk price (`LatencyGrid.chunk_ms`: a fixed part per step, a
-  part per prompt token; `chunk_context_cost`: a part per token its row already holds); a step that
-  only prefills costs the batch-1, k = 0 step plus its chunk, as in `simulate.py`. As many such steps run as the prompts need or the tick holds (the last may run past
-  the tick's end: a debt the replica pays first in the next tick); then it decodes for the rest of the
-  tick, a fractional number of steps of the profile's step time;
+- steps at the k its policy gives for its decoding batch b at its rows' mean context (asked at the
+  nearest of `CONTEXTS`), lowered so that b * (k + 1) fits the step's token budget
+  (`max_num_batched_tokens`, less a block's worth while prompts are prefilling), each sequence gaining
+  the expected tokens per step, 1 + acceptance[0] + ... + acceptance[k-1] (a fluid model: no per-step
+  draws). Its pending prompt tokens go first, in whole steps that each feed up to C = budget - b * (k + 1)
+  of them (first admitted first) beside the decoding batch and cost the decode step's time plus the
+  profile's chunk price (`LatencyGrid.chunk_ms`: a fixed part per step, a part per prompt token;
+  `chunk_context_cost`: a part per token its row already holds); a step that only prefills costs the
+  batch-1, k = 0 step plus its chunk, as in `simulate.py`. As many such steps run as the prompts need or
+  the tick holds (the last may run past the tick's end: a debt the replica pays first in the next tick);
+  then it decodes for the rest of the tick, a fractional number of steps of the profile's step time at
+  its rows' mean context (the step engine prices a padded layout at each group's longest: the mean is a
+  fluid stand-in);
 - gives a prompt its first token at the end of the step that feeds its last token, and decodes it from
   the next tick; finishes requests at the moment their last token falls due (interpolated inside the tick).
 Arrivals in a tick are routed at its start with the ingress's rule (the group with the fewest requests
-in flight per replica, then its replica with the fewest), as water-filling. Policies are the real objects: each
-hardware type's policy is asked k for every batch size once per simulated second, after being told a
-step with the acceptance it would see (adaptive's occasional probe steps at k = 0 are not modelled).
+in flight per replica, then its replica with the fewest), as water-filling. Policies are the real objects:
+each hardware type's policy is asked k per (batch size, context) once per simulated second, where a
+replica needs it, after being told a step with the acceptance it would see (adaptive's occasional probe
+steps at k = 0 are not modelled).
 A slot freed inside a tick is refilled at the next one, so latencies carry up to one tick of bias:
 `tests/test_simulate.py` checks this engine against the step-by-step one on a small fleet.
 """
@@ -49,7 +53,7 @@ ENGINE = EngineConfig()
 class FleetTables:
     """Per hardware type (rows) lookup tables the ticks index with numpy."""
 
-    step_ms: np.ndarray  # [G, max_batch + 1, max_k + 1] step latency at batch b and k (b = 0: batch 1, k = 0)
+    step_ms: np.ndarray  # [G, max_batch + 1, max_k + 1, C] step latency at batch b, k and CONTEXTS[c] (b = 0: batch 1, k = 0)
     chunk_step_ms: np.ndarray  # [G, max_batch + 1] fixed price of a step that prefills, beside b decoding (b = 0: 1)
     chunk_ms_per_token: np.ndarray  # [G, max_batch + 1] price per prompt token fed, beside b decoding (b = 0: 1)
     chunk_context_ms: np.ndarray  # [G, 2] a chunk's price per token its row holds, and per held x fed token
@@ -57,9 +61,14 @@ class FleetTables:
     marginal: list[list[float]]  # per group: P(draft token i accepted), i < max_k
 
 
+CONTEXTS = 2.0 ** np.arange(5, 16)
+"""KV tokens per row (32 to 32,768) the step table is priced at; a replica's step between two of them is linear in
+between, as the context grid's own line is."""
+
+
 def build_tables(profiles: list[Profile], max_batch: int, max_k: int, draft: bool) -> FleetTables:
     G = len(profiles)
-    step = np.zeros((G, max_batch + 1, max_k + 1))
+    step = np.zeros((G, max_batch + 1, max_k + 1, len(CONTEXTS)))
     chunk = np.zeros((G, max_batch + 1))
     fixed = np.zeros((G, max_batch + 1))
     tokens = np.ones((G, max_k + 1))
@@ -68,12 +77,12 @@ def build_tables(profiles: list[Profile], max_batch: int, max_k: int, draft: boo
     for g, prof in enumerate(profiles):
         grid = prof.latency
         for b in range(1, max_batch + 1):
-            row = grid.step_ms(b)
+            at = np.array([grid.step_ms(b, float(c)) for c in CONTEXTS]).T  # [ks, C]; no context axis: all alike
             for k in range(max_k + 1):
-                step[g, b, k] = row[grid.ks.index(max(x for x in grid.ks if x <= k))]  # nearest measured k at or below
+                step[g, b, k] = at[grid.ks.index(max(x for x in grid.ks if x <= k))]  # nearest measured k at or below
             one, two = grid.chunk_ms(b, 1, draft) or 0.0, grid.chunk_ms(b, 2, draft) or 0.0  # none measured: free
             chunk[g, b], fixed[g, b] = two - one, 2 * one - two
-        step[g, 0] = step[g, 1, 0]  # only prefilling: one forward, as a batch-1 plain step
+        step[g, 0] = grid.step_ms(1)[0]  # only prefilling: one forward, as a batch-1 plain step (as `simulate.py`)
         chunk[g, 0], fixed[g, 0] = chunk[g, 1], fixed[g, 1]
         context[g] = grid.chunk_context_ms or (0.0, 0.0)  # `LatencyGrid.chunk_context_cost`; unmeasured: free
         m = marginal_acceptance(prof, max_k)
@@ -287,7 +296,8 @@ class _Fleet:
         self.tables = build_tables([profiles[g] for g in self.groups], max_batch, max_k, self.has_draft)
         self.policy = policy
         self.policies = [make_policy(policy, profiles[g]) for g in self.groups]
-        self.k_table = np.zeros((G, max_batch + 1), dtype=np.int64)  # [G, batch] k the policy gives
+        self.k_table = np.zeros((G, max_batch + 1, len(CONTEXTS)), dtype=np.int64)  # [G, batch, C] k (-1: not asked)
+        self.askers: list = []  # per hardware type: the copy of its policy this second's k come from
         self.max_batch, self.max_k, self.budget, self.block_size = max_batch, max_k, budget, block_size
         self.tick_s, self.route_rule = tick_s, route
         self.rng = np.random.default_rng(seed)
@@ -298,14 +308,28 @@ class _Fleet:
         self.ticks, self.batch_log, self.k_log = [], [], []
 
     def ask_policies(self, t: float) -> None:
-        """k per batch size from each hardware type's policy (a copy, so asking is not a step)."""
+        """From now on k per (batch size, context) comes from a copy of each hardware type's policy (so asking is
+        not a step), asked where a replica first needs it (`_ks`)."""
         self.last_policy = t
-        for g, pol in enumerate(self.policies):
+        self.askers = []
+        for pol in self.policies:
             probe = copy.copy(pol)
             if hasattr(probe, "_since_probe"):
                 probe._since_probe = 0  # adaptive counts k = 0 answers towards its probe: not here
-            self.k_table[g] = [0] + [probe.choose(BatchState(b, self.max_k, self.has_draft))
-                                     for b in range(1, self.max_batch + 1)]
+            self.askers.append(probe)
+        self.k_table[:] = -1
+        self.k_table[:, 0] = 0
+
+    def _ks(self, g: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+        """[R] k the policies give at each replica's (hardware type, batch size, context index), asking those
+        not asked since `ask_policies`: b rows of CONTEXTS[c] tokens each."""
+        ks = self.k_table[g, b, c]
+        if (ks < 0).any():
+            for gi, bi, ci in np.unique(np.stack([g, b, c])[:, ks < 0], axis=1).T.tolist():
+                state = BatchState(bi, self.max_k, self.has_draft, contexts=(int(CONTEXTS[ci]),) * bi)
+                self.k_table[gi, bi, ci] = self.askers[gi].choose(state)
+            ks = self.k_table[g, b, c]
+        return ks
 
     def route(self, at: np.ndarray, prompt: np.ndarray, output: np.ndarray, user: np.ndarray) -> None:
         n = len(at)
@@ -342,8 +366,13 @@ class _Fleet:
         g = self.group_of
         prefilling = np.bincount(req.replica[pre], minlength=R) > 0  # [R]
         kept = np.where(prefilling, np.minimum(self.block_size, self.budget - b), 0)  # a block's worth for prompts
-        ks = np.where(b > 0, np.minimum(self.k_table[g, b], (self.budget - kept) // np.maximum(b, 1) - 1), 0)  # [R]
-        step_ms = self.tables.step_ms[g, b, ks]  # [R] (b = 0: the batch-1 plain step)
+        # each replica's rows' mean KV tokens (prompt + generated), as a fractional index into CONTEXTS (the engine
+        # prices a padded layout at each group's longest: the mean is a fluid stand-in)
+        held = np.bincount(req.replica[dec], weights=req.prompt[dec] + req.generated[dec], minlength=R)
+        at = np.interp(held / np.maximum(batch, 1), CONTEXTS, np.arange(len(CONTEXTS)))  # [R]
+        asked = self._ks(g, b, np.rint(at).astype(np.int64))
+        ks = np.where(b > 0, np.minimum(asked, (self.budget - kept) // np.maximum(b, 1) - 1), 0)  # [R]
+        step_ms = self._step_ms(g, b, ks, at)  # [R] (b = 0: the batch-1 plain step)
         per_step = self.tables.tokens_per_step[g, ks]  # [R] expected tokens per sequence
         chunk = (self.budget - b * (ks + 1)).astype(float)  # [R] prompt tokens a step feeds while prefilling
         price = self.tables.chunk_ms_per_token[g, b]  # [R] ms per prompt token
@@ -403,6 +432,15 @@ class _Fleet:
         req.keep(keep)
         return [(users, done)]
 
+    def _step_ms(self, g: np.ndarray, b: np.ndarray, ks: np.ndarray, at: np.ndarray) -> np.ndarray:
+        """[R] each replica's decode step at its context `at` [R] (a fractional index into CONTEXTS), linear
+        between the table's contexts."""
+        i0 = np.minimum(at.astype(np.int64), len(CONTEXTS) - 2)
+        w = at - i0
+        at = self.tables.step_ms[g, b, ks]  # [R, C]
+        rows = np.arange(self.R)
+        return at[rows, i0] * (1 - w) + at[rows, i0 + 1] * w
+
     def _held_ms(self, rows: np.ndarray, done: np.ndarray, left: np.ndarray, chunk: np.ndarray) -> np.ndarray:
         """[rows] ms their chunks pay for what their rows already hold (`LatencyGrid.chunk_context_cost`) while
         `left` more prompt tokens go in, `chunk` [R] at a time, after `done` are in: held done, done + C, ..."""
@@ -417,8 +455,8 @@ class _Fleet:
         """Feed `fed` [R] prompt tokens to each replica's prefilling requests, first admitted first, from
         `start` [R] (seconds; feed_ms [R]: a feeding step before its tokens' price; price [R]: ms per token
         fed, before what the rows hold, `_held_ms`). A prompt whose last token is fed gets its first token at
-        the end of that step: after ceil(tokens fed up to it / chunk) steps, those tokens' price and their
-        rows' held price; and not before its arrival, a step boundary (a uniform part of the decode step it
+        the end of that step: after ceil(tokens fed up to it / chunk) steps, the price of the tokens they feed
+        and the held price of the rows up to it; and not before its arrival, a step boundary (a uniform part of the decode step it
         lands in, decode_ms [R], when the replica is decoding) and its own prefill. A one-token answer is
         done then."""
         req = self.req
@@ -438,7 +476,8 @@ class _Fleet:
         now_in, ri, cum, held = pre[done], r[done], cum[done], held[done]
         req.left[now_in] = 0.0
         c, s, p = np.maximum(chunk[ri], 1), feed_ms[ri], price[ri]
-        first = start[ri] + (np.ceil(cum / c - 1e-9) * s + cum * p + held) / 1000
+        steps = np.ceil(cum / c - 1e-9)  # the step that feeds its last token ends after all that step feeds
+        first = start[ri] + (steps * s + np.minimum(steps * c, fed[ri]) * p + held) / 1000
         own = req.prompt[now_in]
         # it lands at a uniform point of the decode step under way (a fixed half step narrows the TTFT spread)
         wait = np.where(batch[ri] > 0, self.rng.uniform(size=len(ri)) * decode_ms[ri], 0.0)

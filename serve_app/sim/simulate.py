@@ -14,16 +14,18 @@ What is modelled, and how:
      (`kv_tokens`), with a block of headroom per admitted request. Admitting costs nothing.
   2. If the admitted outgrow the pool (contexts grow), the latest admitted goes back to the head of
      the queue (preempted) and prefills its prompt + generated tokens again later.
-  3. k from the policy for the decoding batch, lowered so that batch * (k + 1) fits the step's token
+  3. k from the policy for the decoding batch and its rows' contexts (`BatchState.contexts`), lowered so that batch * (k + 1) fits the step's token
      budget (`max_num_batched_tokens`), less a block's worth while prompts are prefilling, then to the
      grid's nearest measured k at or below.
   4. What the budget leaves goes to prefill chunks of the admitted prompts, first admitted first, each
      min(its remaining prompt, what is left).
-  5. The step's time: the decode step's latency from the grid at (batch, k) (linear between measured
+  5. The step's time: the decode step's latency from the grid at (batch, k) and the context its rows
+     attend (`LatencyGrid.step_context`, where the profile has a context axis; linear between measured
      batch sizes; a step that only prefills runs one forward: the batch-1, k = 0 step), plus the switch
      cost when it resumes speculating after k = 0, plus, when it prefills, the profile's chunk price
      at that batch (`LatencyGrid.chunk_ms`: a fixed part per step, and a part per prompt token fed;
-     profiles from before chunked prefill: their per-token prefill price; nothing without either).
+     profiles from before chunked prefill: their per-token prefill price; nothing without either) and
+     what the chunks' rows already hold (`chunk_context_cost`).
   6. Each decoding sequence gets 1 + accepted tokens, acceptance drawn position by position from the
      profile's per-position acceptance (extended by its per-token rate past the measured k). A prompt
      whose prefill completes gets its first token at the step's end and decodes from the next step.
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -94,6 +97,7 @@ class Replica:
     policy still reads the profile (and calibrates from the steps, if it does)."""
 
     def __post_init__(self) -> None:
+        self._parts_cache: dict = {}
         self.marginal = marginal_acceptance(self.profile, self.max_k)
         self.draft = self.policy.name != "none"  # the engine runs `none` without a draft (no draft prefill)
 
@@ -116,8 +120,10 @@ class Replica:
         self._fit_kv()
         grid = self.profile.latency if self.true_grid is None else self.true_grid
         decoding, k = list(self.running), 0
+        contexts = tuple(j.context for j in decoding)  # each row's KV: the step is priced at them, as the engine's
+        context = grid.step_context(contexts)
         if decoding:
-            k = self.policy.choose(BatchState(len(decoding), self.max_k, self.draft))
+            k = self.policy.choose(BatchState(len(decoding), self.max_k, self.draft, contexts=contexts))
             # within the token budget, keeping a block's worth for prompts being prefilled (`Engine.step`)
             keep = min(self.block_size, self.max_num_batched_tokens - len(decoding)) if self.prefilling else 0
             k = max(0, min(k, (self.max_num_batched_tokens - keep) // len(decoding) - 1))
@@ -125,7 +131,8 @@ class Replica:
         chunks = self._plan_chunks(self.max_num_batched_tokens - len(decoding) * (k + 1))
         prefill_tokens = sum(n for _, n in chunks)
         # one forward feeds the decode rows and the chunks: the decode step's time, plus the chunks' tokens
-        ms = grid.step_ms(len(decoding))[grid.ks.index(k)] if decoding else grid.step_ms(1)[0]
+        parts = self._parts(grid, len(decoding), context) if decoding else None
+        ms = max(sum(p[grid.ks.index(k)] for p in parts), 1e-3) if decoding else grid.step_ms(1)[0]
         if decoding and k and self.last_k == 0:  # resuming speculation: the draft feeds the tokens it skipped
             ms += grid.resume_at(len(decoding))
         if prefill_tokens:
@@ -133,7 +140,7 @@ class Replica:
                 grid.chunk_context_cost([(job.prefilled, n) for job, n in chunks])
         duration = max(ms / 1000, 1e-6)
         if decoding:
-            self._decode(decoding, k, step_parts(grid, len(decoding), k), prefill_tokens)
+            self._decode(decoding, k, tuple(p[grid.ks.index(k)] for p in parts), prefill_tokens, contexts)
         for job, n in chunks:  # a prompt whose prefill completes: its first token, decoding from the next step
             job.prefilled += n
             if job.prefilled == job.context:
@@ -177,12 +184,20 @@ class Replica:
             budget -= chunks[-1][1]
         return chunks
 
-    def _decode(self, decoding: list[Job], k: int, parts: tuple[float, float, float], prefill_tokens: int) -> None:
+    def _parts(self, grid, batch_size: int, context: float | None) -> tuple[list[float], list[float], list[float]]:
+        """`LatencyGrid.parts_at` at (batch size, the rows' context in its bucket), cached per replica."""
+        key = (batch_size, context_bucket(context))
+        if key not in self._parts_cache:
+            self._parts_cache[key] = grid.parts_at(*key)
+        return self._parts_cache[key]
+
+    def _decode(self, decoding: list[Job], k: int, parts: tuple[float, float, float], prefill_tokens: int,
+                contexts: tuple[int, ...]) -> None:
         """Every decoding job gains 1 + accepted tokens; the policy observes the step (with its parts'
         times, as the engine measures them: what a calibrating policy learns from)."""
         st = StepStats(batch_size=len(decoding), k=k, proposed=k * len(decoding), accepted_per_position=[0] * k,
                        prefill_tokens=prefill_tokens, draft_s=parts[0] / 1000, verify_s=parts[1] / 1000,
-                       other_s=parts[2] / 1000)
+                       other_s=parts[2] / 1000, contexts=contexts)
         for j in decoding:
             n = self._accepted(k)
             st.accepted += n
@@ -204,14 +219,20 @@ class Replica:
         return n
 
 
-def step_parts(grid, batch_size: int, k: int) -> tuple[float, float, float]:
-    """(draft, verification, rest) milliseconds of a decode step at (batch size, k), linear between the
-    grid's batch sizes like `LatencyGrid.step_ms`."""
-    from serve_app.pricing import _between
-
-    i0, i1, w = _between(grid.batch_sizes, batch_size)
+def step_parts(grid, batch_size: int, k: int, context: float | None = None) -> tuple[float, float, float]:
+    """(draft, verification, rest) milliseconds of a decode step at (batch size, k) and the rows' `context`
+    (`LatencyGrid.parts_at`)."""
     j = grid.ks.index(k)
-    return tuple(rows[i0][j] + w * (rows[i1][j] - rows[i0][j]) for rows in (grid.draft_ms, grid.verify_ms, grid.other_ms))
+    return tuple(part[j] for part in grid.parts_at(batch_size, context))
+
+
+def context_bucket(context: float | None) -> int | None:
+    """A context rounded to 1/32 of its power of two: contexts whose prices differ by a few parts in a thousand
+    share one cached price (a step engine runs tens of thousands of steps a second)."""
+    if context is None:
+        return None
+    step = max(2 ** int(math.log2(max(context, 1))) // 32, 1)
+    return int(round(context / step)) * step
 
 
 @dataclass
