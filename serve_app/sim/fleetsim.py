@@ -53,7 +53,7 @@ ENGINE = EngineConfig()
 class FleetTables:
     """Per hardware type (rows) lookup tables the ticks index with numpy."""
 
-    step_ms: np.ndarray  # [G, max_batch + 1, max_k + 1, C] step latency at batch b, k and CONTEXTS[c] (b = 0: batch 1, k = 0)
+    step_ms: np.ndarray  # [G, max_batch + 1, max_k + 1, C] step at batch b, k, CONTEXTS[c] (b = 0: batch 1, k = 0)
     chunk_step_ms: np.ndarray  # [G, max_batch + 1] fixed price of a step that prefills, beside b decoding (b = 0: 1)
     chunk_ms_per_token: np.ndarray  # [G, max_batch + 1] price per prompt token fed, beside b decoding (b = 0: 1)
     chunk_context_ms: np.ndarray  # [G, 2] a chunk's price per token its row holds, and per held x fed token
@@ -392,7 +392,8 @@ class _Fleet:
         c = np.maximum(chunk, 1)
         needed = np.ceil(np.where(can, pending / c, 0.0) - 1e-9)  # [R] steps to feed them all
         fits = needed * feed_ms + pending * fed_price <= tick_ms - begin
-        prefill_steps = np.where(fits, needed, np.minimum(np.ceil((tick_ms - begin) / (feed_ms + c * fed_price)), needed))
+        holds = np.ceil((tick_ms - begin) / (feed_ms + c * fed_price))  # [R] feeding steps the tick holds
+        prefill_steps = np.where(fits, needed, np.minimum(holds, needed))
         prefill_steps = np.where(can, prefill_steps, 0.0)  # [R]
         fed = np.where(can, np.minimum(prefill_steps * c, pending), 0.0)  # [R] prompt tokens fed
         prefill_ms = prefill_steps * feed_ms + fed * fed_price  # [R]
@@ -437,9 +438,9 @@ class _Fleet:
         between the table's contexts."""
         i0 = np.minimum(at.astype(np.int64), len(CONTEXTS) - 2)
         w = at - i0
-        at = self.tables.step_ms[g, b, ks]  # [R, C]
+        by_context = self.tables.step_ms[g, b, ks]  # [R, C]
         rows = np.arange(self.R)
-        return at[rows, i0] * (1 - w) + at[rows, i0 + 1] * w
+        return by_context[rows, i0] * (1 - w) + by_context[rows, i0 + 1] * w
 
     def _held_ms(self, rows: np.ndarray, done: np.ndarray, left: np.ndarray, chunk: np.ndarray) -> np.ndarray:
         """[rows] ms their chunks pay for what their rows already hold (`LatencyGrid.chunk_context_cost`) while
@@ -456,9 +457,9 @@ class _Fleet:
         `start` [R] (seconds; feed_ms [R]: a feeding step before its tokens' price; price [R]: ms per token
         fed, before what the rows hold, `_held_ms`). A prompt whose last token is fed gets its first token at
         the end of that step: after ceil(tokens fed up to it / chunk) steps, the price of the tokens they feed
-        and the held price of the rows up to it; and not before its arrival, a step boundary (a uniform part of the decode step it
-        lands in, decode_ms [R], when the replica is decoding) and its own prefill. A one-token answer is
-        done then."""
+        and the held price of the rows up to it; and not before its arrival, a step boundary (a uniform part
+        of the decode step it lands in, decode_ms [R], when the replica is decoding) and its own prefill. A
+        one-token answer is done then."""
         req = self.req
         pre = pre[np.lexsort((req.seq[pre], req.replica[pre]))]  # by replica, then admission (arrival) order
         r, left = req.replica[pre], req.left[pre]

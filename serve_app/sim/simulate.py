@@ -14,9 +14,9 @@ What is modelled, and how:
      (`kv_tokens`), with a block of headroom per admitted request. Admitting costs nothing.
   2. If the admitted outgrow the pool (contexts grow), the latest admitted goes back to the head of
      the queue (preempted) and prefills its prompt + generated tokens again later.
-  3. k from the policy for the decoding batch and its rows' contexts (`BatchState.contexts`), lowered so that batch * (k + 1) fits the step's token
-     budget (`max_num_batched_tokens`), less a block's worth while prompts are prefilling, then to the
-     grid's nearest measured k at or below.
+  3. k from the policy for the decoding batch and its rows' contexts (`BatchState.contexts`), lowered
+     so that batch * (k + 1) fits the step's token budget (`max_num_batched_tokens`), less a block's
+     worth while prompts are prefilling, then to the grid's nearest measured k at or below.
   4. What the budget leaves goes to prefill chunks of the admitted prompts, first admitted first, each
      min(its remaining prompt, what is left).
   5. The step's time: the decode step's latency from the grid at (batch, k) and the context its rows
