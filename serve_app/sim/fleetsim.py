@@ -379,8 +379,8 @@ class _Fleet:
         feed_ms = step_ms + self.tables.chunk_step_ms[g, b]  # [R] a step that prefills, before its tokens' price
         pending = np.bincount(req.replica[pre], weights=req.left[pre], minlength=R)  # [R] prompt tokens to feed
         # what the chunks' rows already hold, as a price per pending token (a fluid share; `_prefill` is exact)
-        held_ms = np.bincount(req.replica[pre], weights=self._held_ms(pre, req.prompt[pre] - req.left[pre],
-                                                                       req.left[pre], chunk), minlength=R)
+        held_rows = self._held_ms(pre, req.prompt[pre] - req.left[pre], req.left[pre], chunk)  # [len(pre)]
+        held_ms = np.bincount(req.replica[pre], weights=held_rows, minlength=R)
         fed_price = price + np.where(pending > 0, held_ms / np.maximum(pending, 1), 0.0)  # [R]
         # A replica still busy with an earlier tick's last step (debt) starts that much later. It feeds its
         # pending prompt tokens first, in whole steps of up to C tokens, each the decode step's time and
@@ -404,7 +404,7 @@ class _Fleet:
         self._log(t, batch, ks)
         self._observe(batch, ks)
         if len(pre):
-            self._prefill(t + begin / 1000, pre, fed, chunk, feed_ms, price, batch, step_ms)
+            self._prefill(t + begin / 1000, pre, held_rows, fed, chunk, feed_ms, price, batch, step_ms)
         if not len(dec):
             return []
         r = req.replica[dec]
@@ -451,17 +451,18 @@ class _Fleet:
         per_held, per_pair = self.tables.chunk_context_ms[self.group_of[r]].T
         return (m * done + c * m * (m - 1) / 2) * (per_held + per_pair * c)
 
-    def _prefill(self, start: np.ndarray, pre: np.ndarray, fed: np.ndarray, chunk: np.ndarray, feed_ms: np.ndarray,
-                 price: np.ndarray, batch: np.ndarray, decode_ms: np.ndarray) -> None:
+    def _prefill(self, start: np.ndarray, pre: np.ndarray, held_rows: np.ndarray, fed: np.ndarray, chunk: np.ndarray,
+                 feed_ms: np.ndarray, price: np.ndarray, batch: np.ndarray, decode_ms: np.ndarray) -> None:
         """Feed `fed` [R] prompt tokens to each replica's prefilling requests, first admitted first, from
         `start` [R] (seconds; feed_ms [R]: a feeding step before its tokens' price; price [R]: ms per token
-        fed, before what the rows hold, `_held_ms`). A prompt whose last token is fed gets its first token at
-        the end of that step: after ceil(tokens fed up to it / chunk) steps, the price of the tokens they feed
-        and the held price of the rows up to it; and not before its arrival, a step boundary (a uniform part
-        of the decode step it lands in, decode_ms [R], when the replica is decoding) and its own prefill. A
-        one-token answer is done then."""
+        fed, before what the rows hold: held_rows [len(pre)], `_held_ms` of each). A prompt whose last token
+        is fed gets its first token at the end of that step: after ceil(tokens fed up to it / chunk) steps,
+        the price of the tokens they feed and the held price of the rows up to it; and not before its
+        arrival, a step boundary (a uniform part of the decode step it lands in, decode_ms [R], when the
+        replica is decoding) and its own prefill. A one-token answer is done then."""
         req = self.req
-        pre = pre[np.lexsort((req.seq[pre], req.replica[pre]))]  # by replica, then admission (arrival) order
+        order = np.lexsort((req.seq[pre], req.replica[pre]))  # by replica, then admission (arrival) order
+        pre, held_rows = pre[order], held_rows[order]
         r, left = req.replica[pre], req.left[pre]
         run = np.searchsorted(r, r, side="left")  # first row of each replica's run
 
@@ -469,7 +470,7 @@ class _Fleet:
             cum = np.cumsum(x)
             return cum - (cum[run] - x[run])
 
-        cum, held = within(left), within(self._held_ms(pre, req.prompt[pre] - left, left, chunk))
+        cum, held = within(left), within(held_rows)
         req.left[pre] = np.clip(cum - fed[r], 0.0, left)
         done = req.left[pre] <= 1e-9
         if not done.any():
