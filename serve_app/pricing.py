@@ -389,9 +389,10 @@ def best_k_table(grid: LatencyGrid, acceptance: list[float], context: float | No
     return {b: min(zip(row, grid.ks))[1] for b, row in zip(grid.batch_sizes, ms_per_token(grid, acceptance, context))}
 
 
-def context_bucket(context: float | None) -> int | None:
-    """A context rounded to a quarter of a power of two (64, 76, 90, 108, 128, ...): what price caches key on,
-    a few % apart, so a cache holds a few dozen entries however contexts vary."""
+def context_bucket(context: float | None, per_octave: int = 4) -> int | None:
+    """A context rounded to a `per_octave`-th of a power of two (4: 64, 76, 90, 108, 128, ...): what price caches key
+    on, a few % apart, so a cache holds a few dozen entries however contexts vary (the step simulator, which runs
+    tens of thousands of steps a second, keys on 32 per octave: ~1% apart)."""
     if context is None or context <= 0:
         return None
-    return round(2 ** (round(4 * math.log2(context)) / 4))
+    return round(2 ** (round(per_octave * math.log2(context)) / per_octave))

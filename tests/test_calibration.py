@@ -12,7 +12,7 @@ from serve_app.engine.stats import StepStats
 from serve_app.profiling.calibration import Calibrated, Calibration, calibrated
 from serve_app.pricing import LatencyGrid, best_k_table
 from serve_app.profiling.profiles import Profile
-from serve_app.sim.simulate import simulate, step_parts
+from serve_app.sim.simulate import simulate
 
 SIZES, KS, ACC = [1, 2, 4, 8, 16, 32], [0, 1, 2, 3, 4], 0.75
 GRID = LatencyGrid(batch_sizes=SIZES, ks=KS,
@@ -35,6 +35,11 @@ def off(draft, verify) -> LatencyGrid:
 
 # 0.7x and 1.4x off, the other way round at large batches: the best k moves both ways
 TRUE = off(lambda b: 1.4 if b <= 4 else 0.7, lambda b: 0.7 if b <= 4 else 1.4)
+
+
+def step_parts(grid: LatencyGrid, b: int, k: int) -> tuple[float, float, float]:
+    """(draft, verification, rest) ms of a decode step at (b, k) on `grid`."""
+    return tuple(part[grid.ks.index(k)] for part in grid.parts_at(b))
 
 
 def step(grid: LatencyGrid, b: int, k: int, slow: float = 1.0) -> StepStats:

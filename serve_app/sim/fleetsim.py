@@ -368,8 +368,8 @@ class _Fleet:
         kept = np.where(prefilling, np.minimum(self.block_size, self.budget - b), 0)  # a block's worth for prompts
         # each replica's rows' mean KV tokens (prompt + generated), as a fractional index into CONTEXTS (the engine
         # prices a padded layout at each group's longest: the mean is a fluid stand-in)
-        held = np.bincount(req.replica[dec], weights=req.prompt[dec] + req.generated[dec], minlength=R)
-        at = np.interp(held / np.maximum(batch, 1), CONTEXTS, np.arange(len(CONTEXTS)))  # [R]
+        kv = np.bincount(req.replica[dec], weights=req.prompt[dec] + req.generated[dec], minlength=R)
+        at = np.interp(kv / np.maximum(batch, 1), CONTEXTS, np.arange(len(CONTEXTS)))  # [R]
         asked = self._ks(g, b, np.rint(at).astype(np.int64))
         ks = np.where(b > 0, np.minimum(asked, (self.budget - kept) // np.maximum(b, 1) - 1), 0)  # [R]
         step_ms = self._step_ms(g, b, ks, at)  # [R] (b = 0: the batch-1 plain step)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from dataclasses import dataclass, field
 from serve_app.config import EngineConfig
 from serve_app.engine.policy import BatchState, make_policy
 from serve_app.profiling.calibration import calibrated
+from serve_app.pricing import context_bucket
 from serve_app.profiling.profiles import Profile, fit_acceptance_rate
 from serve_app.engine.stats import StepStats
 from serve_app.sim.summary import marginal_acceptance, summarize
@@ -186,7 +186,7 @@ class Replica:
 
     def _parts(self, grid, batch_size: int, context: float | None) -> tuple[list[float], list[float], list[float]]:
         """`LatencyGrid.parts_at` at (batch size, the rows' context in its bucket), cached per replica."""
-        key = (batch_size, context_bucket(context))
+        key = (batch_size, context_bucket(context, per_octave=32))
         if key not in self._parts_cache:
             self._parts_cache[key] = grid.parts_at(*key)
         return self._parts_cache[key]
@@ -217,22 +217,6 @@ class Replica:
                 break
             n, previous = n + 1, p
         return n
-
-
-def step_parts(grid, batch_size: int, k: int, context: float | None = None) -> tuple[float, float, float]:
-    """(draft, verification, rest) milliseconds of a decode step at (batch size, k) and the rows' `context`
-    (`LatencyGrid.parts_at`)."""
-    j = grid.ks.index(k)
-    return tuple(part[j] for part in grid.parts_at(batch_size, context))
-
-
-def context_bucket(context: float | None) -> int | None:
-    """A context rounded to 1/32 of its power of two: contexts whose prices differ by a few parts in a thousand
-    share one cached price (a step engine runs tens of thousands of steps a second)."""
-    if context is None:
-        return None
-    step = max(2 ** int(math.log2(max(context, 1))) // 32, 1)
-    return int(round(context / step)) * step
 
 
 @dataclass
