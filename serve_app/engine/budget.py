@@ -237,16 +237,24 @@ class Budget:
             p = self._prices[key] = prices(self.grid, batch_size, key[1], upto)
         return p
 
-    def chances(self, k: int, scale: float = 1.0) -> list[float]:
-        """Per draft position i < k (up to the depth learnt): the chance that drafts 0..i are all accepted, with the
-        live acceptance per position. `scale`: a request's record against the curve (`RequestRecord.scale`),
-        applied to each position's chance; a chance so scaled is at most 0.95 (a good record never makes a token
-        sure), the live chance itself (scale 1) is left as learnt."""
-        out, chance, c = [], 1.0, self.a0
+    def rates(self, k: int) -> list[float]:
+        """Per draft position i < k (up to the depth learnt): the live chance it is accepted, given every earlier one
+        was."""
+        out, c = [], self.a0
         for j in range(min(k, len(self.pos_hits))):
             # a position with few outcomes leans on the one before it (the first on the profile's a): deeper
             # positions are reached less often, and a capped depth would otherwise never learn the next one
             c = (self.pos_hits[j] + POSITION_PRIOR * c) / (self.pos_trials[j] + POSITION_PRIOR)
+            out.append(c)
+        return out
+
+    def chances(self, k: int, scale: float = 1.0, rates: list[float] | None = None) -> list[float]:
+        """Per draft position i < k (up to the depth learnt): the chance that drafts 0..i are all accepted, from
+        `rates` (default: the live ones, `rates(k)`). `scale`: a request's record against the curve
+        (`RequestRecord.scale`), applied to each position's chance; a chance so scaled is at most 0.95 (a good
+        record never makes a token sure), the live chance itself (scale 1) is left as learnt."""
+        out, chance = [], 1.0
+        for c in (self.rates(k) if rates is None else rates[:k]):
             chance *= c if scale == 1.0 else min(c * scale, 0.95)
             out.append(chance)
         return out
@@ -311,7 +319,8 @@ class Budget:
         live acceptance per position, as `uniform` reads it, each position's chance x the row's scale) beat the
         price of d forwards, their tokens and the fixed cost. The walk then trims each row to what its draft's
         confidence is worth."""
-        at = [sum(col) for col in zip(*(self.chances(max_k, s) for s in scales))]  # per position, over the rows
+        rates = self.rates(max_k)  # once for the step: only the scale differs by row
+        at = [sum(col) for col in zip(*(self.chances(max_k, s, rates) for s in scales))]  # per position, over the rows
         gain = 0.0
         for d in range(1, max_k + 1):
             gain += at[d - 1] if d <= len(at) else 0.0
