@@ -32,7 +32,7 @@ from serve_app.hardware import detect_gpu_type
 from serve_app.engine.controls import Controls, has_controls
 from serve_app.engine.draftplan import DraftPlan, PlanWalk
 from serve_app.engine.grammar import Guide
-from serve_app.engine import attention
+from serve_app.engine import attention, packing
 from serve_app.engine.kv import (ATTENTION, PagedKV, attention_layers, cuda_memory, kv_bytes_per_token, kv_pool_tokens,
                                 pack)
 from serve_app.engine.history import PROMPT_TAIL, LiveOutputs, SuffixHistory, history_estimate
@@ -135,6 +135,8 @@ class ModelWorker:
         self.role = role
         self.pad_id = pad_id
         self.device = next(model.parameters()).device
+        if packing.wanted(self.device):  # oneDNN's layouts, fused siblings: the forward at the CPU's bandwidth
+            packing.pack_linears(model)
         impl = getattr(model.config, "_attn_implementation", "sdpa")
         if impl not in ("sdpa", "eager", ATTENTION):
             raise ValueError(f"{role} model uses attention {impl!r}; specserve needs 'sdpa' or 'eager'")
