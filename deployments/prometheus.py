@@ -1,5 +1,7 @@
 """/metrics: the Router replicas' snapshots as Prometheus text, under specserve's series and vLLM's names."""
 
+from .latency import exposition
+
 # (name, type, help, how to read it from a snapshot: counter/gauge key)
 _SERIES = [
     ("specserve_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", ("counters", "prompt_tokens")),
@@ -78,4 +80,6 @@ def render_metrics(snapshots: dict[str, dict], model_name: str) -> str:
     lines += [f"# HELP {name} Largest |calibrated / profiled - 1| of a whole step over the profile's cells.",
               f"# TYPE {name} gauge"]
     lines += [f"{name}{{{labels(r, snapshots[r])}}} {float(cal['drift'])}" for r, cal in calibrated.items()]
+    lines += exposition({r: s["histograms"] for r, s in snapshots.items() if s.get("histograms")},
+                        lambda r, **extra: labels(r, snapshots[r], **extra))
     return "\n".join(lines) + "\n"

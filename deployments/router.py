@@ -43,11 +43,13 @@ from serve_app.engine.stats import StepStats
 from serve_app.bench import regret
 
 from .config import GroupConfig
+from .latency import new_histograms, observe
 from .workers import DraftWorker, RemoteWorker, TargetWorker
 
 log = logging.getLogger("ray.serve")
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+ITL_BUCKETS = [0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
 
 
 @serve.deployment(max_ongoing_requests=4096, health_check_period_s=10, health_check_timeout_s=60,
@@ -90,6 +92,7 @@ class Router:
         self.resumed = 0  # finished requests that were resumed after a worker or replica failure
         # What /metrics on the API port shows (reported to the store with each profile poll).
         self.totals = self.new_totals()
+        self.histograms = new_histograms()  # request latencies for /metrics (vLLM's histograms)
         self.last_step = {"batch_size": 0, "k": 0}
         self.k_tally: Tally = Tally()
         self.observed = AcceptanceEstimate(0.0)  # live acceptance under any policy (adaptive keeps its own)
@@ -305,6 +308,13 @@ class Router:
         self.m_proposed = metrics.Counter("specserve_proposed_tokens", "Draft tokens proposed.", tag_keys=tags)
         self.m_accepted = metrics.Counter("specserve_accepted_tokens", "Draft tokens accepted.", tag_keys=tags)
         self.m_ttft = metrics.Histogram("specserve_ttft_seconds", "Time to first token.", boundaries=LATENCY_BUCKETS, tag_keys=tags)
+        self.m_itl = metrics.Histogram("specserve_itl_seconds", "Inter-token latency: seconds between two outputs of a request.",
+                                       boundaries=ITL_BUCKETS, tag_keys=tags)
+        self.m_e2e = metrics.Histogram("specserve_e2e_seconds", "Seconds from arrival to a finished request's last token.",
+                                       boundaries=LATENCY_BUCKETS, tag_keys=tags)
+        self.m_queue_time = metrics.Histogram("specserve_queue_time_seconds", "Seconds a request waited for admission.",
+                                              boundaries=LATENCY_BUCKETS, tag_keys=tags)
+        self.m_latency = {"ttft": self.m_ttft, "itl": self.m_itl, "e2e": self.m_e2e, "queue": self.m_queue_time}
         self.m_tpot = metrics.Histogram("specserve_tpot_seconds", "Time per output token after the first.", boundaries=LATENCY_BUCKETS, tag_keys=tags)
         self.m_step = metrics.Histogram("specserve_step_seconds", "Engine step latency.", boundaries=LATENCY_BUCKETS, tag_keys=tags)
         self.m_batch = metrics.Gauge("specserve_batch_size", "Sequences in the last engine step.", tag_keys=tags)
@@ -329,7 +339,8 @@ class Router:
                                             "Share of the suffix history's lookups that found a match (since its draft started).",
                                             tag_keys=tags)
         for m in (self.m_recoveries, self.m_resumed, self.m_requests, self.m_prompt, self.m_generated, self.m_proposed, self.m_accepted,
-                  self.m_ttft, self.m_tpot, self.m_step, self.m_batch, self.m_k, self.m_queue, self.m_estimate, self.m_profile,
+                  self.m_ttft, self.m_itl, self.m_e2e, self.m_queue_time, self.m_tpot, self.m_step, self.m_batch, self.m_k,
+                  self.m_queue, self.m_estimate, self.m_profile,
                   self.m_source, self.m_history_tokens, self.m_history_hits):
             m.set_default_tags({"gpu_type": self.gpu_type, "group": self.group.name})
         self._profile_gauge()
@@ -367,11 +378,17 @@ class Router:
             return
         text, token_ids, logprobs, prompt_lps = [], [], [], None
         recorded = False  # a final output was counted: a caller leaving after it is not a 499 too
+        last = None  # when this request's previous tokens came out (inter-token latency)
         try:
             # aclosing: when the caller leaves, the engine stream's `finally` aborts the request now
             # (a waiting one leaves the queue at once), not whenever the generator is collected.
             async with contextlib.aclosing(self.engine.generate(prompt_ids, sampling, request_id, resume)) as outs:
                 async for out in outs:
+                    if out.token_ids:
+                        now = time.perf_counter()
+                        if last is not None:
+                            self._observe("itl", now - last)
+                        last = now
                     if out.finished:
                         self._record_request(out)
                         recorded = True
@@ -428,9 +445,17 @@ class Router:
         if s.generated_tokens > s.carried_tokens:  # what the replica that died generated was counted there
             self.m_generated.inc(s.generated_tokens - s.carried_tokens)
             if not s.carried_tokens:  # a continued request's first token came from the other replica
-                self.m_ttft.observe(s.ttft_s)
+                self._observe("ttft", s.ttft_s)
         if s.generated_tokens > 1:
             self.m_tpot.observe(s.tpot_s)
+        if status == "200":
+            self._observe("e2e", s.total_s)
+            self._observe("queue", s.queue_s)
+
+    def _observe(self, key: str, seconds: float) -> None:
+        """One latency into /metrics' histogram (vLLM's name) and Ray's exporter (the dashboard's)."""
+        observe(self.histograms, key, seconds)
+        self.m_latency[key].observe(seconds)
 
     def _on_step(self, st: StepStats) -> None:  # runs in the engine's step thread
         self.m_step.observe(st.draft_s + st.verify_s + st.other_s)
@@ -630,7 +655,7 @@ class Router:
                            "waiting": len(self.engine.waiting), "acceptance_estimate": self.acceptance_estimate(),
                            "kv_usage": self.engine.reserved / self.engine.kv_capacity,
                            "kv_pool_tokens": self.engine.kv_capacity},
-                "calibration": self.calibration(), "history": self.history}
+                "calibration": self.calibration(), "history": self.history, "histograms": self.histograms}
 
     async def max_model_len(self) -> int:
         return self.engine.max_model_len

@@ -153,12 +153,14 @@ class FakeMetric:
 
 
 def make_router(engine, max_queue):
+    from deployments.latency import HISTOGRAMS, new_histograms
     from deployments.router import Router
 
     r = object.__new__(Router.func_or_class)
     r.engine, r.max_queue, r.store, r.totals = engine, max_queue, None, Router.func_or_class.new_totals()
     for name in ("m_requests", "m_prompt", "m_generated", "m_ttft", "m_tpot", "m_queue"):
         setattr(r, name, FakeMetric())
+    r.histograms, r.m_latency = new_histograms(), {key: FakeMetric() for key in HISTOGRAMS}
     return r
 
 

@@ -841,6 +841,12 @@ def test_metrics_on_the_api_port_with_vllm_names(service):
     assert set(by("specserve_kv_pool_tokens")) == {65536.0}
     info = {(lab["gpu_type"], lab["source"]): v for n, lab, v in samples if n == "specserve_profile_info"}
     assert info[("A", "measured")] == info[("B", "measured")] == 1.0 and info[("A", "predicted")] == 0.0
+    # latency histograms under vLLM's names, each holding the finished requests (+Inf bucket = count)
+    for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:request_queue_time_seconds", "vllm:inter_token_latency_seconds"):
+        count, inf = sum(by(name + "_count")), sum(v for n, lab, v in samples if n == name + "_bucket" and lab["le"] == "+Inf")
+        assert count == inf >= 1, name
+    assert sum(by("vllm:e2e_request_latency_seconds_sum")) >= sum(by("vllm:time_to_first_token_seconds_sum")) > 0
 
 
 def test_responses_api_gives_chats_text_plain_and_streamed(service):
