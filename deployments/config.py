@@ -73,8 +73,9 @@ class AppConfig(BaseModel):
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     """Target and draft for every group."""
-    engine: EngineConfig = Field(default_factory=lambda: EngineConfig(policy="adaptive"))
-    """Batching limits and the speculation policy (lut or adaptive: the profile of each group's hardware)."""
+    engine: EngineConfig = Field(default_factory=lambda: EngineConfig(policy="adaptive", max_batch_size=32))
+    """Batching limits and the speculation policy (lut or adaptive: the profile of each group's hardware); by
+    default up to 32 requests decode together (the profiles' largest batch)."""
     groups: list[GroupConfig] = Field(default_factory=lambda: [GroupConfig()], min_length=1)
     """Engine groups behind the one ingress (one per GPU type)."""
     served_model_name: str | None = None

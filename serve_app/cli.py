@@ -96,6 +96,21 @@ def _parser() -> argparse.ArgumentParser:
                     help="writes OUT.json and OUT.md (default results/bench-http-<hardware type>)")
     bh.set_defaults(func=_cmd_bench_http)
 
+    bq = bsub.add_parser("peer", help="specserve against vLLM's server, same model and prompts, one server at a time, "
+                                      "through HTTP (vLLM from `make peer`)")
+    bq.add_argument("--vllm-python", default=".peer-venv/bin/python", help="the interpreter that has vLLM (make peer)")
+    bq.add_argument("--sides", default="specserve,specserve-none,vllm,vllm-ngram",
+                    help="comma-separated: specserve (its defaults), specserve-none (--policy none), vllm, vllm-ngram "
+                         "(n-gram speculation, k = 3)")
+    bq.add_argument("--concurrency", default="1,8,32", help="comma-separated requests in flight")
+    bq.add_argument("--modes", default="greedy,sampled", help="greedy and/or sampled (temperature 0.7, top_p 0.9)")
+    bq.add_argument("--max-tokens", type=int, default=128)
+    bq.add_argument("--rounds", type=int, default=3, help="rounds, every side once per round in rotated order")
+    bq.add_argument("--requests-per-level", type=int, default=2, help="requests per level = this x in flight")
+    bq.add_argument("--dtype", default="float32", help="both servers' dtype")
+    bq.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/bench-peer-<hardware type>)")
+    bq.set_defaults(func=_cmd_bench_peer)
+
     bs = bsub.add_parser("step", help="one engine step at real model shapes (random weights, few layers): device "
                                       "forwards, other device work and the rest, in process and through Ray actors")
     bs.add_argument("--shape", default="tiny-128k", help="target shape: llama-3.1-8b, llama-3.2-1b or tiny-128k")
@@ -359,7 +374,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--config", default=None, help="Serve config YAML (its first application's args); flags below are ignored")
     _model_args(s)
     s.add_argument("--policy", default="adaptive", help="none | fixed:K | lut | adaptive")
-    s.add_argument("--batch-size", type=int, default=8)
+    s.add_argument("--batch-size", type=int, default=32,
+                   help="most requests decoded together; later ones wait (default %(default)s: the profile's largest "
+                        "batch; at 8, 32 requests in flight ran 8 at a time)")
     _batching_args(s)
     s.add_argument("--max-queue", type=int, default=64)
     s.add_argument("--profiles-dir", default="profiles")
@@ -1333,6 +1350,23 @@ def _cmd_bench_http(args) -> int:
         raise UsageError("bench http runs the same k on both sides: --policy none or fixed:K; --rounds >= 1")
     _write_bench(args, "http", *bench_http(_bench_model(args), args.policy, args.max_tokens, args.concurrency,
                                             args.requests, args.port, args.rounds))
+    return 0
+
+
+def _cmd_bench_peer(args) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from serve_app.bench.peer import SIDES, bench_peer
+    from serve_app.models import embedded_source
+
+    sides, modes = args.sides.split(","), args.modes.split(",")
+    if not set(sides) <= set(SIDES) or not set(modes) <= {"greedy", "sampled"} or args.rounds < 1 or args.max_tokens < 1:
+        raise UsageError(f"--sides from {', '.join(SIDES)}; --modes greedy,sampled; --rounds, --max-tokens >= 1")
+    with tempfile.TemporaryDirectory(prefix="specserve-peer-") as work:
+        _write_bench(args, "peer", *bench_peer(embedded_source(), args.vllm_python, int_list(args.concurrency, "--concurrency"),
+                                                args.rounds, args.max_tokens, modes, args.dtype, sides, Path(work),
+                                                args.requests_per_level))
     return 0
 
 

@@ -93,4 +93,4 @@ def test_serve_flags_reach_the_engine_config():
     assert (engine["max_num_batched_tokens"], engine["block_size"], engine["prefix_caching"],
             engine["max_num_tokens"]) == (64, 8, False, 4096)
     defaults = EngineConfig(**{**_app_config(_parser().parse_args(["serve"]))["engine"], "policy": "none"})
-    assert defaults == EngineConfig(policy="none", max_batch_size=8)
+    assert defaults == EngineConfig(policy="none", max_batch_size=32)
