@@ -389,7 +389,8 @@ EXPORTED = {  # what the Routers export (tests/test_loadtest.py checks this set 
     "ray_specserve_proposed_tokens_total", "ray_specserve_accepted_tokens_total", "ray_specserve_batch_size",
     "ray_specserve_speculation_k", "ray_specserve_queue_depth", "ray_specserve_acceptance_estimate",
     "ray_specserve_draft_source_tokens_total", "ray_specserve_history_tokens", "ray_specserve_history_hit_ratio",
-    *(f"ray_specserve_{h}_seconds_{s}" for h in ("ttft", "tpot", "step") for s in ("bucket", "sum", "count")),
+    *(f"ray_specserve_{h}_seconds_{s}" for h in ("ttft", "tpot", "step", "itl", "e2e", "queue_time")
+      for s in ("bucket", "sum", "count")),
 }
 
 
@@ -419,7 +420,8 @@ def test_dashboard_shows_every_signal_by_gpu_type():
     exprs = dashboards.dashboard_exprs(DASHBOARD)
     names = set().union(*(dashboards.promql_metric_names(e) for e in exprs))
     assert names <= EXPORTED, names - EXPORTED
-    for signal in ("ttft_seconds_bucket", "tpot_seconds_bucket", "generated_tokens_total", "batch_size",
+    for signal in ("ttft_seconds_bucket", "tpot_seconds_bucket", "itl_seconds_bucket", "queue_time_seconds_bucket",
+                   "e2e_seconds_bucket", "generated_tokens_total", "batch_size",
                    "speculation_k", "accepted_tokens_total", "proposed_tokens_total", "queue_depth", "requests_total",
                    "acceptance_estimate"):
         assert f"ray_specserve_{signal}" in names, signal
