@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import statistics
 import sys
 import time
@@ -170,6 +169,3 @@ def report(results: dict) -> str:
         lines.append("")
     return "\n".join(lines)
 
-
-def clean(work_dir: Path) -> None:
-    shutil.rmtree(work_dir, ignore_errors=True)
