@@ -34,6 +34,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from serve_app.config import EngineConfig, ModelConfig, SamplingParams
 from serve_app.models import draft_spec, load_tokenizer, model_names
+from serve_app.engine.allocator import allocator_env
 from serve_app.engine.policy import AcceptanceEstimate, make_policy, needs_profile
 from serve_app.profiling.calibration import Calibrated, calibrated, calibrated_profile, steering_profile
 from serve_app.profiling.profiles import Profile
@@ -152,6 +153,7 @@ class Router:
         return cls.options(
             name=self._names[i], max_concurrency=4, num_cpus=g.worker_cpus, num_gpus=g.gpus(role), resources=self._resources() or None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+            runtime_env={"env_vars": allocator_env()} if self.model_config.device == "cpu" else None,
         ).remote(self.model_config.model_dump(), g.torch_threads)
 
     # ---- repair (Engine.repair: runs in the engine's step thread) ---------------------------

@@ -24,8 +24,15 @@ class UsageError(Exception):
 
 def entry() -> int:
     """The `specserve` command: a process of its own, so denormal floats are zeros in all of it, set before
-    torch starts its threads (they inherit it): see serve_app.engine.worker.denormals_flushed. `main`
-    (what tests and other code call) leaves the process as it found it."""
+    torch starts its threads (they inherit it): see serve_app.engine.worker.denormals_flushed. It starts
+    again at once with malloc's settings in its environment (`engine.allocator`: glibc reads them only
+    at start), which every process it launches inherits (Ray's, the model actors). `main` (what tests
+    and other code call) leaves the process as it found it."""
+    from serve_app.engine.allocator import allocator_env
+
+    env = allocator_env()
+    if env and sys.platform.startswith("linux"):
+        os.execve(sys.executable, [sys.executable, "-m", "serve_app.cli", *sys.argv[1:]], {**os.environ, **env})
     import torch
 
     torch.set_flush_denormal(True)

@@ -49,20 +49,22 @@ def _twin_e(key: int, token: int, vocab: int) -> float:
     def expo(k, i):
         return -math.log((((_twin_hash(k, i) >> 8) & 0xFFFFFF) + 0.5) / 16777216)
 
-    b = token // BLOCK
-    size = min(BLOCK, vocab - b * BLOCK)
+    stride = vocab // BLOCK  # strided blocks: b, b + stride, ..., then the short tail block
+    b, offset = (token % stride, token // stride) if token < stride * BLOCK else (stride, token - stride * BLOCK)
+    size = BLOCK if b < stride else vocab % BLOCK
     e_min = expo(_s32(key + 0x3C6EF372), b) / size
     at = (_twin_hash(_s32(key + 0x1B873593), b) & 0x7FFFFFFF) % size
-    return e_min if token % BLOCK == at else e_min + expo(key, token)
+    return e_min if offset == at else e_min + expo(key, token)
 
 
 def test_noise_matches_a_plain_integer_twin():
     keys = [noise_key(s, pos) for s, pos in [(0, 0), (1, 5), (2**40 + 3, 77), (123456789, 8191)]]
-    tokens = [0, 1, 2, 1000, 1023, 1024, 49151, 128255]
-    vocab = 128256
-    e = noise_e(torch.tensor(keys, dtype=torch.int32), torch.tensor([tokens] * len(keys)), vocab)
-    twin = torch.tensor([[_twin_e(k, t, vocab) for t in tokens] for k in keys], dtype=torch.float64)
-    assert torch.allclose(e.double(), twin, rtol=2e-5, atol=1e-6)  # float32 -log(u) near u = 1
+    tokens = [0, 1, 2, 1000, 1023, 1024, 49151, 49990, 49999, 50000, 128255]
+    for vocab in (128256, 50001):  # strided blocks only; and a short last block (50000: its only token)
+        ids = [t for t in tokens if t < vocab]
+        e = noise_e(torch.tensor(keys, dtype=torch.int32), torch.tensor([ids] * len(keys)), vocab)
+        twin = torch.tensor([[_twin_e(k, t, vocab) for t in ids] for k in keys], dtype=torch.float64)
+        assert torch.allclose(e.double(), twin, rtol=2e-5, atol=1e-6)  # float32 -log(u) near u = 1
     bits = _hash32(torch.tensor([tokens] * len(keys), dtype=torch.int32), torch.tensor(keys, dtype=torch.int32)[:, None])
     assert bits.tolist() == [[_twin_hash(k, t) for t in tokens] for k in keys]  # the bits: exact
     assert 0 <= min(keys) and max(keys) < 2**31
@@ -74,8 +76,8 @@ def test_block_noise_is_iid_exponential():
     the law of iid draws."""
     n, vocab = 8000, 40 * BLOCK + BLOCK // 2  # the last block is half a block
     keys = torch.tensor([noise_key(5, i) for i in range(n)], dtype=torch.int32)
-    for first, size in [(0, BLOCK), (40 * BLOCK, BLOCK // 2)]:
-        e = noise_e(keys, torch.arange(first, first + size)[None].expand(n, -1), vocab)
+    for block, size in [(torch.arange(BLOCK) * 40, BLOCK), (40 * BLOCK + torch.arange(BLOCK // 2), BLOCK // 2)]:
+        e = noise_e(keys, block[None].expand(n, -1), vocab)
         assert abs(e.mean().item() - 1) < 0.02 and abs(e.var().item() - 1) < 0.05
         where_min = torch.bincount(e.argmin(dim=1), minlength=size).float() / n
         assert (where_min - 1 / size).abs().max() < 0.02, where_min

@@ -7,6 +7,7 @@ Tiny float64 models. The module's last test removes node B under load.
 """
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -187,6 +188,9 @@ def test_concurrent_requests_are_batched_on_both_groups_each_with_its_own_k(serv
     # CPU workers: the pool is max_num_tokens (no device memory to size from) and attention gathers
     assert a["kv_pool"] == b["kv_pool"] == {"tokens": 65536, "from": "max_num_tokens", "rooms": [], "attention": "gather"}
     assert all(ray.get_actor(name) for name in a["actors"] + b["actors"])
+    # CPU model actors start with malloc keeping freed memory (serve_app.engine.allocator)
+    envs = ray.get([ray.get_actor(name).__ray_call__.remote(lambda _: dict(os.environ)) for name in a["actors"]])
+    assert all(e["MALLOC_ARENA_MAX"] == "1" and e["MALLOC_MMAP_THRESHOLD_"] == str(1 << 30) for e in envs)
 
 
 def test_roles_ray_cannot_place_fail_the_router_start_with_what_was_asked(service):

@@ -43,6 +43,7 @@ from serve_app.bench.rounds import fmt_ratio, rotated, summary
 from serve_app.bench.shapes import (get_shape, random_eagle3, random_llama, random_prompts, save_eagle3_dir,
                                     save_model_dir, vocab_tokenizer)
 from serve_app.config import EngineConfig, ModelConfig, SamplingParams, check_dtype
+from serve_app.engine.allocator import allocator_env
 from serve_app.engine.policy import FixedK
 from serve_app.engine.scheduler import Engine
 
@@ -200,7 +201,8 @@ def ray_side(cfg: StepBench, models: StepModels, call_timeout_s: float = 600.0):
         if started:
             ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
         gpus = 0.01 if cfg.device.startswith("cuda") else 0  # both actors share the one device
-        actors = [cls.options(num_cpus=1, num_gpus=gpus, max_concurrency=4).remote(mc)
+        env = {"env_vars": allocator_env()} if cfg.device == "cpu" else None
+        actors = [cls.options(num_cpus=1, num_gpus=gpus, max_concurrency=4, runtime_env=env).remote(mc)
                   for cls in (TargetWorker, DraftWorker)]
         try:
             ray.get([a.ping.remote() for a in actors], timeout=call_timeout_s)  # both models loaded

@@ -32,12 +32,12 @@ from serve_app.hardware import detect_gpu_type
 from serve_app.engine.controls import Controls, has_controls
 from serve_app.engine.draftplan import DraftPlan, PlanWalk
 from serve_app.engine.grammar import Guide
-from serve_app.engine import attention, packing
+from serve_app.engine import allocator, attention, packing
 from serve_app.engine.kv import (ATTENTION, PagedKV, attention_layers, cuda_memory, kv_bytes_per_token, kv_pool_tokens,
                                 pack)
 from serve_app.engine.history import PROMPT_TAIL, LiveOutputs, SuffixHistory, history_estimate
 from serve_app.engine.lookup import LOOKUP_MIN_N, CopyRecord, NgramIndex
-from serve_app.engine.sampling import TOP_N, Warp, draft_choice, logprob_top, noise_key, verify_walk
+from serve_app.engine.sampling import TOP_N, Warp, draft_choice, logprob_top, noise_key, row_argmax, verify_walk
 
 
 @dataclass
@@ -137,6 +137,8 @@ class ModelWorker:
         self.device = next(model.parameters()).device
         if packing.wanted(self.device):  # oneDNN's layouts, fused siblings: the forward at the CPU's bandwidth
             packing.pack_linears(model)
+        if self.device.type == "cpu":  # a step's large tensors reuse the last step's pages (`allocator`)
+            allocator.keep_freed_memory()
         impl = getattr(model.config, "_attn_implementation", "sdpa")
         if impl not in ("sdpa", "eager", ATTENTION):
             raise ValueError(f"{role} model uses attention {impl!r}; specserve needs 'sdpa' or 'eager'")
@@ -642,9 +644,11 @@ class ModelWorker:
         dev = self.device
         if all(s.params.greedy for s in seqs):  # known on the host: no read of `greedy` back
             def draw_greedy(logits, positions, small=None, rows=None):
-                top = logits.max(dim=-1)
-                c = (confidence(small) if small is not None else confidence(logits, top.values)) if conf else None
-                return top.indices.cpu(), None, None, c
+                top = row_argmax(logits)
+                c = None
+                if conf:
+                    c = confidence(small) if small is not None else confidence(logits, logits.gather(1, top[:, None])[:, 0])
+                return top.cpu(), None, None, c
 
             return draw_greedy
         w = Warp.of([s.params for s in seqs], dev)
@@ -772,7 +776,7 @@ def confidence(logits: torch.Tensor, top: torch.Tensor | None = None) -> list[fl
     position. A function of the distribution only, never of the token drawn from it, so a policy may stop
     drafting on it without biasing rejection sampling (`draftplan`)."""
     if top is None:
-        top = logits.max(dim=-1).values
+        top = logits.amax(dim=-1)
     return (top.float() - torch.logsumexp(logits.float(), dim=-1)).exp().tolist()
 
 
@@ -796,7 +800,7 @@ def _backlog_agreement(seqs: list[Sequence], fed: list[list[int]], logits: torch
     it, which the target already committed.
     """
     w = logits.shape[1]
-    pred = logits[:, :-1].max(dim=-1).indices.tolist() if w > 1 else [[] for _ in seqs]  # [B, W-1]
+    pred = row_argmax(logits[:, :-1]).tolist() if w > 1 else [[] for _ in seqs]  # [B, W-1]
     checked = matched = 0
     for b, (s, f) in enumerate(zip(seqs, fed)):
         n = min(len(f), w)  # real tokens in the window; the rest is padding
