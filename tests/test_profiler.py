@@ -43,6 +43,7 @@ def test_profiling_smoke_writes_a_valid_profile_and_heatmap(tiny_profile):
 
 def test_latency_visits_every_k_per_round_in_a_shuffled_order_two_steps_each(tiny_model_dirs, monkeypatch):
     from serve_app.profiling import profiler
+    from serve_app.profiling import measuring
     from serve_app.config import ModelConfig
     from serve_app.models import load_models
     from serve_app.engine.policy import FixedK
@@ -54,6 +55,7 @@ def test_latency_visits_every_k_per_round_in_a_shuffled_order_two_steps_each(tin
         return FixedK(k)
 
     monkeypatch.setattr(profiler, "FixedK", record)
+    monkeypatch.setattr(measuring, "FixedK", record)  # the measuring engines start at FixedK(0)
     models = load_models(ModelConfig(target=tiny_model_dirs["target"], draft=tiny_model_dirs["draft"]))
     grid = profiler.measure_latency(models, [2], [0, 1, 2, 3], reps=4, bar=profiler.tqdm(disable=True))
     assert chosen[0] == 0 and chosen[-1] == 0  # the engines' own policies (the grid's; the chunk price's, at k = 0)
@@ -83,14 +85,14 @@ def test_chunk_price_times_steps_that_prefill_beside_the_decoding_batch(tiny_mod
     from serve_app.bench.prompt_sets import PROFILE_PROMPTS, chat_prompts
 
     engines, seen = [], []
-    make = profiler._engine
+    make = profiler.measuring_engine
 
     def recorded(*args, **kw):
         engines.append(make(*args, **kw))
         engines[-1].on_step.append(seen.append)
         return engines[-1]
 
-    monkeypatch.setattr(profiler, "_engine", recorded)
+    monkeypatch.setattr(profiler, "measuring_engine", recorded)
     models = load_models(ModelConfig(target=tiny_model_dirs["target"], draft=tiny_model_dirs["draft"]))
     prompts = chat_prompts(models.tokenizer, PROFILE_PROMPTS, 2)
     *price, short = profiler.measure_chunk_prefill(models, prompts, 2, reps=1, max_model_len=256, budget=32)
@@ -254,17 +256,16 @@ def test_bench_policies_runs_the_long_document_schedule_on_the_wall_clock(tmp_pa
     rounds, paired ratios, regret, its section and plot. (The tiny models' context is short: documents of a few
     tokens here; the real schedule's prompts are checked in test_replay.py.)"""
     from serve_app.bench import policies as bp
-    from serve_app.bench import replay as rp
     from serve_app.config import ModelConfig
     from serve_app.models import load_models
     from serve_app.profiling.profiles import load_profile
 
     models = load_models(ModelConfig(target=tiny_model_dirs["target"], draft=tiny_model_dirs["draft"]))
-    monkeypatch.setattr(rp, "document", lambda tok, n, offset=0: [3 + offset % 15, 4, 5, 6] * 3)
+    monkeypatch.setattr(bp, "document", lambda tok, n, offset=0: [3 + offset % 15, 4, 5, 6] * 3)
     res = bp.bench_policies(models, load_profile(tiny_profile), str(tmp_path / "e"), [1], max_k=2, scale=0.1,
                             parts="e", repeat=2, policies=["fixed:1", "budget"])
     long = res["long"]
-    assert long["requests"] == len(rp.long_jobs(models.tokenizer, random.Random(0), 0.1)) > 0
+    assert long["requests"] == len(bp.long_jobs(models.tokenizer, random.Random(0), 0.1)) > 0
     assert set(long["kinds"]) == {"chat", "document"} and sum(long["kinds"].values()) == long["requests"]
     assert set(long["policies"]) == {"fixed:1", "budget"} and "budget" in long["paired"]["policies"] and long["regret"]["budget"]
     summary = (tmp_path / "e" / "summary.md").read_text()

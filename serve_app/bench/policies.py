@@ -221,6 +221,47 @@ def mixed_jobs(tokenizer, rng: random.Random, scale: float) -> tuple[list[Job], 
     return jobs, phases
 
 
+CORPUS = Path(__file__).resolve().parents[2] / "corpora" / "smollm2-135m-instruct"
+"""The embedded target's own text (committed): the documents of (e) and of `bench replay`'s grid."""
+
+LONG_PHASES = [(0.4, 10), (10.0, 2.0), (0.3, 8), (6.0, 3.0)]
+"""(e)'s arrival rate (requests/s) and length (s) per phase: single requests, then bursts (batch 16-32)."""
+
+
+def document(tokenizer, tokens: int, offset: int = 0) -> list[int]:
+    """A chat prompt about a document of about `tokens` tokens (the target's own text from the committed corpus;
+    offset picks where in it), asking for a short summary."""
+    import numpy as np
+
+    from serve_app.drafting.corpus import load_corpus
+
+    ids = np.concatenate([s.ids[s.prompt_len:] for s in load_corpus(CORPUS)])
+    offset %= max(len(ids) - tokens, 1)
+    text = tokenizer.decode(ids[offset: offset + tokens].tolist(), skip_special_tokens=True)
+    return chat_prompts(tokenizer, [f"Here is a document.\n\n{text}\n\nSummarize it in two sentences."])[0]
+
+
+def long_jobs(tokenizer, rng: random.Random, scale: float) -> list[Job]:
+    """(e) document questions and summaries (prompts of 200-3,000 tokens) between short chat, in phases of
+    single requests and bursts: the best fixed k differs by context."""
+    jobs, t = [], 0.0
+    for rate, length in LONG_PHASES:
+        end = t + length * scale
+        at = t + rng.expovariate(rate)
+        while at < end:
+            if rng.random() < 0.5:
+                n = int(200 * 15 ** rng.random())  # 200-3,000 tokens, log-uniform
+                jobs.append(Job(document(tokenizer, n, rng.randrange(1 << 20)), rng.randint(24, 64), at, "document"))
+            else:
+                text = LATENCY_PROMPTS[rng.randrange(len(LATENCY_PROMPTS))]
+                jobs.append(Job(chat_prompts(tokenizer, [text])[0], rng.randint(16, 64), at, "chat"))
+            at += rng.expovariate(rate)
+        t = end
+    if not jobs:
+        raise ValueError("(e)'s schedule drew no requests at this --scale: raise it")
+    return jobs
+
+
 def shift_jobs(tokenizer, per_phase: int) -> list[Job]:
     """Creative prompts, then structured ones: the draft's agreement shifts mid-run."""
     out = []
@@ -262,8 +303,6 @@ def bench_policies(models: LoadedModels, profile: Profile, out_dir: str, concurr
     shift = shift_jobs(tok, max(4, int(12 * scale))) if "c" in parts else []
     mixed, mixed_phases = mixed_jobs(tok, random.Random(seed + 1), scale) if "d" in parts else ([], [])
     if "e" in parts:  # bench replay's (e), on the wall clock (its schedule from the same seed as the replay's)
-        from serve_app.bench.replay import LONG_PHASES, long_jobs
-
         long = long_jobs(tok, random.Random(seed), scale)
         t, long_phases = 0.0, []
         for rate, length in LONG_PHASES:

@@ -13,7 +13,7 @@ made on one machine.
 
 Parts:
 - (b) time-varying chat, (d) bursts of mixed chat / JSON / rewrites, (e) long documents between short chat
-  (`bench policies`' schedules, and `long_jobs`): mean latency per policy, and per 1k output tokens the target
+  (`bench policies`' schedules): mean latency per policy, and per 1k output tokens the target
   forwards, verified tokens, draft forward-rows, KV tokens attended, and accepted per drafted token;
 - grid: closed loop at batch b x context c (b streams, each sending a document of about c tokens for a short
   answer, then the next document as it ends): output tokens per virtual second per policy, and each cell's
@@ -36,10 +36,10 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from tqdm import tqdm
 
+from serve_app.bench.policies import LONG_PHASES, document, long_jobs, mixed_jobs, varying_jobs
 from serve_app.bench.rounds import fmt_paired, paired_ratio
 from serve_app.config import EngineConfig
 from serve_app.engine.policy import make_policy
@@ -49,55 +49,10 @@ from serve_app.pricing import LatencyGrid
 from serve_app.profiling.calibration import calibrated, step_cost_ms, step_parts_ms
 
 MAX_K = 8
-CORPUS = Path(__file__).resolve().parents[2] / "corpora" / "smollm2-135m-instruct"
-"""The embedded target's own text (committed): the documents of (e) and the grid."""
-
 CELL_STREAMS = 8
 """A grid cell serves at least `rounds` x this many requests, its streams' number below it: a cell of one stream
 and 8 requests (256 tokens) is a handful of copies that happen to land or not; budget's share at batch 1 x
 1,024 tokens read 0.951 over 8 requests and 1.013 over 32, with the same code."""
-
-LONG_PHASES = [(0.4, 10), (10.0, 2.0), (0.3, 8), (6.0, 3.0)]
-"""(e)'s arrival rate (requests/s) and length (s) per phase: single requests, then bursts (batch 16-32)."""
-
-
-def document(tokenizer, tokens: int, offset: int = 0) -> list[int]:
-    """A chat prompt about a document of about `tokens` tokens (the target's own text from the committed corpus;
-    offset picks where in it), asking for a short summary."""
-    import numpy as np
-
-    from serve_app.bench.prompt_sets import chat_prompts
-    from serve_app.drafting.corpus import load_corpus
-
-    ids = np.concatenate([s.ids[s.prompt_len:] for s in load_corpus(CORPUS)])
-    offset %= max(len(ids) - tokens, 1)
-    text = tokenizer.decode(ids[offset: offset + tokens].tolist(), skip_special_tokens=True)
-    return chat_prompts(tokenizer, [f"Here is a document.\n\n{text}\n\nSummarize it in two sentences."])[0]
-
-
-def long_jobs(tokenizer, rng, scale: float) -> list:
-    """(e) document questions and summaries (prompts of 200-3,000 tokens) between short chat, in phases of
-    single requests and bursts: the best fixed k differs by context."""
-    from serve_app.bench.policies import LATENCY_PROMPTS, Job
-    from serve_app.bench.prompt_sets import chat_prompts
-
-    jobs, t = [], 0.0
-    for rate, length in LONG_PHASES:
-        end = t + length * scale
-        at = t + rng.expovariate(rate)
-        while at < end:
-            if rng.random() < 0.5:
-                n = int(200 * 15 ** rng.random())  # 200-3,000 tokens, log-uniform
-                jobs.append(Job(document(tokenizer, n, rng.randrange(1 << 20)), rng.randint(24, 64), at, "document"))
-            else:
-                text = LATENCY_PROMPTS[rng.randrange(len(LATENCY_PROMPTS))]
-                jobs.append(Job(chat_prompts(tokenizer, [text])[0], rng.randint(16, 64), at, "chat"))
-            at += rng.expovariate(rate)
-        t = end
-    if not jobs:
-        raise ValueError("(e)'s schedule drew no requests at this --scale: raise it")
-    return jobs
-
 
 @dataclass
 class Replay:
@@ -308,8 +263,6 @@ def schedule(tokenizer, name: str, seed: int, scale: float) -> tuple[list, list[
     bursts, (e) long documents."""
     import random
 
-    from serve_app.bench.policies import mixed_jobs, varying_jobs
-
     if name == "b":
         return varying_jobs(tokenizer, random.Random(seed), scale)
     if name == "d":
@@ -398,5 +351,5 @@ def markdown(res: dict, policies: list[str]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["PARTS", "Replay", "across_seeds", "closed_cell", "document", "long_jobs", "markdown", "replay", "replay_grid", "replay_parts", "schedule",
+__all__ = ["PARTS", "Replay", "across_seeds", "closed_cell", "markdown", "replay", "replay_grid", "replay_parts", "schedule",
            "run_replay", "schedules"]

@@ -29,6 +29,7 @@ from serve_app.engine.policy import FixedK
 from serve_app.engine.scheduler import Engine
 from serve_app.engine.stats import StepStats
 from serve_app.pricing import ContextGrid
+from serve_app.profiling.measuring import measuring_engine, visit
 
 PREFILL_BUDGET = 8192
 """Tokens per step while the long prompts prefill (chunked): large enough to be quick, small enough that a
@@ -37,12 +38,10 @@ PREFILL_BUDGET = 8192
 
 def _engine(models, batch: int, max_k: int, need: int, budget: int | None = None) -> Engine:
     """A measuring engine for `batch` rows of up to `need` tokens, `budget` tokens a step (default: PREFILL_BUDGET)."""
-    from serve_app.profiling.profiler import _engine as grid_engine
-
     # the context limit the rows need (the engine's default stops at 4k), within what the model allows
     limit = getattr(models.target.config, "max_position_embeddings", None) or need
     budget = max(PREFILL_BUDGET, batch * (max_k + 1)) if budget is None else budget
-    return grid_engine(models, batch, max_k, need, budget, max(min(need, limit), 2))
+    return measuring_engine(models, batch, max_k, need, budget, max(min(need, limit), 2))
 
 
 def _random_ids(rng: random.Random, vocab: int, n: int) -> list[int]:
@@ -100,10 +99,8 @@ def measure_context(models, batch_sizes: list[int], ks: list[int], contexts: lis
                     order = list(ks)
                     rng.shuffle(order)
                     for k in order:
-                        engine.policy = FixedK(k)
-                        engine.step()
-                        engine.step()
-                        samples[k].append(seen[-1])
+                        _, kept = visit(engine, FixedK(k), seen)
+                        samples[k].append(kept)
                         seen_ctx.append(statistics.fmean(r.context_len for r in reqs))
                 for j, k in enumerate(ks):
                     draft[c_i][b_i][j] = round(statistics.median(s.draft_s for s in samples[k]) * 1000, 3)

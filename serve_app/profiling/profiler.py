@@ -28,31 +28,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from serve_app.config import EngineConfig, ModelConfig, SamplingParams
+from serve_app.config import ModelConfig, SamplingParams
 from serve_app.models import LoadedModels, load_models, model_names, resolve_dtype
 from serve_app.engine.budget import measured_curve
 from serve_app.engine.policy import FixedK, FixedPlan
 from serve_app.bench.prompt_sets import PROFILE_PROMPTS, chat_prompts
 from serve_app.hardware import detect_gpu_type
 from serve_app.pricing import LatencyGrid, best_k_table, ms_per_token
+from serve_app.profiling.context import measure_chunk_context, scaled_to
+from serve_app.profiling.measuring import BUDGET, measuring_engine, visit
 from serve_app.profiling.profiles import Profile, fit_acceptance_rate, load_profile, save_profile
 from serve_app.engine.scheduler import Engine
 from serve_app.engine.stats import StepStats
-
-
-BUDGET = EngineConfig.model_fields["max_num_batched_tokens"].default
-"""The engine's per-step token budget: the chunked prefill is priced at it."""
-
-
-def _engine(models: LoadedModels, batch: int, max_k: int, need: int, budget: int = BUDGET,
-            max_model_len: int | None = None) -> Engine:
-    """An engine to measure with: room for `batch` requests of up to `need` KV tokens each (prompt +
-    max_tokens + max_k + 1) admitted at once, `budget` tokens a step, no prefix cache, k = 0 until set."""
-    bs = EngineConfig.model_fields["block_size"].default
-    pool = batch * (-(-need // bs) + 1) * bs  # whole blocks + the block of headroom admission keeps per request
-    return Engine.from_models(models, EngineConfig(max_batch_size=batch, max_k=max_k, max_num_tokens=pool,
-                                                   max_num_batched_tokens=max(budget, batch), prefix_caching=False,
-                                                   max_model_len=max_model_len), FixedK(0))
 
 
 def _prefill(engine: Engine, reqs: list) -> None:
@@ -96,7 +83,7 @@ def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int],
     longest = max(len(p) for p in prompts)
     for i, b in enumerate(batch_sizes):
         need = longest + per_round + max(visits) + 1
-        engine = _engine(models, b, max(visits), need, max(BUDGET, b * (max(visits) + 1), b * longest))
+        engine = measuring_engine(models, b, max(visits), need, max(BUDGET, b * (max(visits) + 1), b * longest))
         if need > engine.max_model_len:
             raise ValueError(f"profiling k up to {max(visits)} needs {need} tokens of context; "
                              f"the model allows {engine.max_model_len}: lower --max-k")
@@ -115,12 +102,9 @@ def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int],
             order = list(visits)
             rng.shuffle(order)
             for k in order:
-                engine.policy = FixedK(k)
-                engine.step()
-                switch = seen[-1]
-                engine.step()
+                switch, kept = visit(engine, FixedK(k), seen)
                 if r:
-                    samples[k].append(seen[-1])
+                    samples[k].append(kept)
                     contexts.append(statistics.fmean(len(q.context()) for q in reqs))
                     if prev == 0 and 0 < k <= ks[-1]:
                         resumes.append((k, switch))
@@ -166,7 +150,7 @@ def measure_chunk_prefill(models: LoadedModels, prompts: list[list[int]], batch:
     first = -(-sum(len(prompts[j % len(prompts)]) for j in range(batch)) // budget)  # steps its prefill may take
     max_tokens = 4 * n + first + 4  # the decoding batch never finishes while measured
     need = max(max(len(p) for p in prompts[:batch]) + max_tokens, full + 1) + 2
-    engine = _engine(models, batch + 1, 1, need, budget)
+    engine = measuring_engine(models, batch + 1, 1, need, budget)
     pool = [t for p in prompts for t in p] * ((full + n) // sum(len(p) for p in prompts) + 1)
     seen: list[StepStats] = []
     engine.on_step.append(seen.append)
@@ -206,7 +190,8 @@ def measure_acceptance(models: LoadedModels, k: int, num_prompts: int, max_token
     draft's acceptance per confidence bin over the same steps (`budget.measured_curve`)."""
     batch = min(8, num_prompts)
     prompts = chat_prompts(models.tokenizer, PROFILE_PROMPTS, num_prompts)
-    engine = _engine(models, batch, k, max(len(p) for p in prompts) + max_tokens + k + 1, max(BUDGET, batch * (k + 1)))
+    engine = measuring_engine(models, batch, k, max(len(p) for p in prompts) + max_tokens + k + 1,
+                              max(BUDGET, batch * (k + 1)))
     engine.policy = FixedPlan(k)  # fixed k, the draft's confidences recorded
     accepted, seqs, outcomes = [0] * k, 0, []
 
@@ -326,8 +311,6 @@ def remeasure_chunk_context(mc: ModelConfig, path: str | None, context: int) -> 
     """`specserve profile --chunk-context-only`: add what a prompt chunk pays for the KV its row holds
     (`LatencyGrid.chunk_context_ms`, `profiling.context.measure_chunk_context` on a prompt of `context` tokens) to
     an existing measured profile, scaled to its chunk price (this machine runs today at its own speed)."""
-    from serve_app.profiling.context import measure_chunk_context, scaled_to
-
     out_path = Path(path or f"profiles/{detect_gpu_type()}.json")
     profile = load_profile(out_path)
     grid = profile.latency

@@ -21,6 +21,7 @@ from serve_app.config import SamplingParams
 from serve_app.engine.budget import measured_curve
 from serve_app.engine.policy import FixedK, FixedPlan
 from serve_app.pricing import ContextGrid, LatencyGrid, best_k_table
+from serve_app.profiling.measuring import visit
 from serve_app.profiling.profiles import Profile, fit_acceptance_rate
 
 BATCH_SIZES = (1, 4, 16)
@@ -52,10 +53,8 @@ def _long_context_pass(engine, sizes: list[int], ks: list[int], prompts: list[li
             engine.step()
         cells = {}
         for k in ks:
-            engine.policy = FixedK(k)
-            engine.step()  # warm-up at this shape, and the switch
-            engine.step()
-            cells[k] = seen[-1]
+            _, kept = visit(engine, FixedK(k), seen)  # the dropped first step warms this shape up and pays the switch
+            cells[k] = kept
             measured.append(statistics.fmean(len(q.prompt_ids) + q.stats.generated_tokens for q in reqs))
         for q in reqs:
             engine.abort(q)
@@ -97,11 +96,9 @@ def short_profile(engine, gpu_type: str, target: str, draft: str, dtype: str, ro
                     engine.step()
                 for k in ks:  # two steps per k: the first pays for switching, the second is the cell
                     # the acceptance cell (largest k) records the draft's confidences: the curve budget starts from
-                    engine.policy = FixedPlan(k) if k == max(ks) else FixedK(k)
-                    engine.step()
-                    engine.step()
+                    _, kept = visit(engine, FixedPlan(k) if k == max(ks) else FixedK(k), seen)
                     if r:
-                        samples[k].append(seen[-1])
+                        samples[k].append(kept)
                         contexts.append(statistics.fmean(len(q.prompt_ids) + q.stats.generated_tokens for q in reqs))
                 for q in reqs:
                     engine.abort(q)
