@@ -148,10 +148,9 @@ class Router:
         gen = next(self._generation)
         self._names[i] = f"specserve-{g.name}-{replica}-{role}" + (f"-{gen}" if gen >= len(self.roles) else "")
         cls = TargetWorker if role == "target" else DraftWorker
-        # max_concurrency: `ping` answers while a long `call` runs (the engine makes one call at a
-        # time), so a busy worker is never taken for a dead one and replaced.
+        # one thread for the model calls (the engine makes one at a time); `ping` has its own (workers.CONTROL)
         return cls.options(
-            name=self._names[i], max_concurrency=4, num_cpus=g.worker_cpus, num_gpus=g.gpus(role), resources=self._resources() or None,
+            name=self._names[i], max_concurrency=1, num_cpus=g.worker_cpus, num_gpus=g.gpus(role), resources=self._resources() or None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
             runtime_env={"env_vars": allocator_env()} if self.model_config.device == "cpu" else None,
         ).remote(self.model_config.model_dump(), g.torch_threads)

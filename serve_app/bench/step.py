@@ -202,7 +202,7 @@ def ray_side(cfg: StepBench, models: StepModels, call_timeout_s: float = 600.0):
             ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
         gpus = 0.01 if cfg.device.startswith("cuda") else 0  # both actors share the one device
         env = {"env_vars": allocator_env()} if cfg.device == "cpu" else None
-        actors = [cls.options(num_cpus=1, num_gpus=gpus, max_concurrency=4, runtime_env=env).remote(mc)
+        actors = [cls.options(num_cpus=1, num_gpus=gpus, max_concurrency=1, runtime_env=env).remote(mc)
                   for cls in (TargetWorker, DraftWorker)]
         try:
             ray.get([a.ping.remote() for a in actors], timeout=call_timeout_s)  # both models loaded
