@@ -125,26 +125,6 @@ def _block_ids(blocks: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Te
     return ids.clamp(max=vocab - 1), ids < vocab
 
 
-def row_argmax(x: torch.Tensor) -> torch.Tensor:  # [..., V] -> [...] long
-    """x.argmax(-1) (the first of tied maxima), on a CPU from the block maxima: the row's maximum is in
-    its best block, whose 16 tokens settle it. Rows whose maximum two blocks share (or none: NaN) take
-    the plain argmax. torch's argmax over a vocabulary-wide row costs ~20 row maxima on a CPU."""
-    vocab = x.shape[-1]
-    if x.device.type != "cpu" or vocab < 64 * BLOCK:
-        return x.argmax(dim=-1)
-    flat = x.reshape(-1, vocab)
-    bm = _block_max(flat)  # [R, nb]
-    top = bm.amax(dim=-1, keepdim=True)
-    hit = bm == top
-    ids, real = _block_ids(hit.byte().argmax(dim=-1, keepdim=True), vocab)  # [R, 16]
-    vals = flat.gather(1, ids).float().masked_fill_(~real, float("-inf"))
-    out = ids.gather(1, (vals == top).byte().argmax(dim=-1, keepdim=True)).squeeze(1)
-    odd = (hit.sum(dim=-1) != 1).nonzero().squeeze(1)
-    if len(odd):
-        out[odd] = flat.index_select(0, odd).argmax(dim=-1)
-    return out.view(x.shape[:-1])
-
-
 def _top_candidates(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:  # [R, V] -> [R, width] x 2
     """x.topk(width) (values descending, ids) without a top-k pass over the whole vocabulary: the
     `width` largest values lie in the `width` blocks with the largest maxima."""
@@ -246,13 +226,11 @@ class Warp:
                     None if self.min_p is None else self.min_p[index], host)
 
 
-def warp_(logits: torch.Tensor, w: Warp, kept_lse: bool = False):  # [N, V] float32, changed in place
+def warp_(logits: torch.Tensor, w: Warp) -> torch.Tensor:  # [N, V] float32, changed in place
     """Temperature, then min-p, then top-k, then top-p on the top-k renormalized distribution (a token stays while
     the mass strictly before it is below top_p; the first always stays), on a float32 tensor the caller
     owns. Dropped tokens get -inf, so softmax of the result is the distribution a request samples
-    from. A token tied with the last kept one is kept too (the cut is a threshold on the logit).
-    kept_lse: also return [N] the log-normalizer of each cut row's kept tokens, where its candidates
-    held them all (NaN for other rows: the caller takes the row's logsumexp), which spares a pass."""
+    from. A token tied with the last kept one is kept too (the cut is a threshold on the logit)."""
     top_k = None  # the cut rows' top_k on the host, where known
     if w.host is not None:  # decided on the host
         scaled, cut_rows = any(w.host[0]), [i for i, c in enumerate(w.host[1]) if c]
@@ -260,21 +238,16 @@ def warp_(logits: torch.Tensor, w: Warp, kept_lse: bool = False):  # [N, V] floa
     else:
         scaled = bool((w.temperature != 1.0).any())
         cut_rows = ((w.top_k > 0) | (w.top_p < 1.0)).nonzero().squeeze(1).tolist()
-    lse = torch.full((logits.shape[0],), float("nan"), device=logits.device) if kept_lse else None
     if scaled:
         logits /= w.temperature[:, None]
     if w.min_p is not None:
         _min_p_(logits, w.min_p)
     if len(cut_rows) == logits.shape[0]:
-        _, cut_lse = _truncate(logits, w.top_k, w.top_p, top_k)
-        if kept_lse:
-            lse = cut_lse
+        _truncate(logits, w.top_k, w.top_p, top_k)
     elif cut_rows:
         rows = _index(cut_rows, logits.device)
-        logits[rows], cut_lse = _truncate(logits[rows], w.top_k[rows], w.top_p[rows], top_k)
-        if kept_lse:
-            lse[rows] = cut_lse
-    return (logits, lse) if kept_lse else logits
+        logits[rows] = _truncate(logits[rows], w.top_k[rows], w.top_p[rows], top_k)
+    return logits
 
 
 def logsumexp(x: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R]
@@ -294,12 +267,10 @@ def _min_p_(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:  # [R, V] sca
 
 
 def _truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-              top_k_host: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # [R, V], [R]
+              top_k_host: list[int] | None = None) -> torch.Tensor:  # [R, V]
     """Apply top-k / top-p to rows of scaled logits from a top-`width` pass; a row whose nucleus may
     reach past the candidates is redone wider (8x, up to the whole vocabulary). top_k_host: top_k on the
-    host, where the caller knows it (the first width is then chosen without reading the device).
-    Returns x, cut in place, and each row's log-normalizer over the tokens it kept where the
-    candidates held all of them (NaN where a token tied with the last kept one may lie beyond them)."""
+    host, where the caller knows it (the first width is then chosen without reading the device)."""
     vocab = x.shape[-1]
     k_eff = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))  # [R]
     if top_k_host is not None:
@@ -310,14 +281,7 @@ def _truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     # the whole vocabulary's normalizer: needed unless every row's top-k lies among the first candidates
     total = logsumexp(x)[:, None] if not all_k or widest > width else None  # [R, 1]
     threshold = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
-    lse = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     todo = torch.arange(x.shape[0], device=x.device)
-
-    def finish(rows, vals, kept, whole: bool):  # rows: into x; vals [T, width] descending; kept [T]
-        thr = vals.gather(1, (kept - 1)[:, None])  # [T, 1]
-        threshold[rows] = thr[:, 0]
-        held = torch.logsumexp(vals.masked_fill(vals < thr, float("-inf")), dim=-1)
-        lse[rows] = held if whole else torch.where(vals[:, -1] < thr[:, 0], held, float("nan"))
 
     while len(todo):
         vals = _top_candidates(_pick(x, todo), width)[0]  # [T, width], descending
@@ -333,15 +297,15 @@ def _truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
         keep = in_k & (probs.cumsum(dim=-1) - probs < top_p[todo, None])
         kept = keep.sum(dim=-1)  # [T] >= 1
         if width == vocab:  # the whole vocabulary: every row is done, nothing to read back
-            finish(todo, vals, kept, True)
+            threshold[todo] = vals.gather(1, (kept - 1)[:, None]).squeeze(1)
             break
         done = (within | ((kept < width) & (k_eff[todo] == vocab))).tolist()  # the loop's one read
         fin = _index([i for i, d in enumerate(done) if d], x.device)
         if len(fin):
-            finish(todo[fin], _pick(vals, fin), _pick(kept[:, None], fin)[:, 0], False)
+            threshold[todo[fin]] = vals[fin].gather(1, (kept[fin] - 1)[:, None]).squeeze(1)
         todo = todo[_index([i for i, d in enumerate(done) if not d], x.device)]
         width = min(vocab, width * 8)
-    return x.masked_fill_(x < threshold[:, None], float("-inf")), lse
+    return x.masked_fill_(x < threshold[:, None], float("-inf"))
 
 
 # ---- the draft's side ---------------------------------------------------------------------------
@@ -362,11 +326,11 @@ def draft_choice(
     kind = torch.stack([greedy.long(), (keys >= 0).long()]).tolist()
     g = [i for i, x in enumerate(kind[0]) if x]
     if len(g) == len(kind[0]):
-        return row_argmax(logits), None, None
+        return logits.max(dim=-1).indices, None, None
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=dev)
     if g:
         gi = _index(g, dev)
-        tokens[gi] = row_argmax(logits.index_select(0, gi))
+        tokens[gi] = logits.index_select(0, gi).max(dim=-1).indices
     n = min(top_n, logits.shape[-1])
     seeded = [i for i, (x, y) in enumerate(zip(*kind)) if y and not x]
     if seeded:  # the coupled choice over the draft's whole warped row, as the target makes it
@@ -388,7 +352,7 @@ def draft_choice(
     if w.min_p is not None:  # the top-n hold the row's maximum, so min-p cuts them as it would the row
         _min_p_(vals, w.min_p[plain])
     top_k = None if w.host is None else [w.host[2][i] for i in plain_rows]
-    q = _truncate(vals, w.top_k[plain], w.top_p[plain], top_k)[0].softmax(dim=-1)  # [R, n]
+    q = _truncate(vals, w.top_k[plain], w.top_p[plain], top_k).softmax(dim=-1)  # [R, n]
     tokens[plain] = ids.gather(1, sample(q, u[plain])[:, None]).squeeze(1)
     values[plain], support[plain] = q, ids.int()
     return tokens, values, support
@@ -450,15 +414,15 @@ def verify_walk(
             x = process(x, active, j)
         g = [i for i, b in enumerate(live) if is_greedy[b]]
         if len(g) == len(live):
-            token = row_argmax(x)
+            token = x.max(dim=-1).indices
         else:
             x = x.float()  # our own copy (float() of a fresh float32 tensor is itself), warped in place
             if g:
                 gi = at(g)
-                token[gi] = row_argmax(x.index_select(0, gi))
+                token[gi] = x.index_select(0, gi).max(dim=-1).indices
             other = [i for i, b in enumerate(live) if not is_greedy[b]]  # positions in `live`
             rows = at(other)
-            x, lse_w = warp_(_pick(x, rows), w.rows(active[rows], [live[i] for i in other]), kept_lse=True)  # [R, V], [R]
+            x = warp_(_pick(x, rows), w.rows(active[rows], [live[i] for i in other]))  # [R, V]
             rows_b = active[rows]
             cr = [r for r, i in enumerate(other) if is_seeded[live[i]]]  # positions in `other`
             if cr:  # the coupled choice: the emitted token depends only on p and the seed
@@ -471,10 +435,7 @@ def verify_walk(
                 token[rows[bonus]] = gumbel_argmax(_pick(x, bonus), keys[rows_b[bonus], j])
             if len(s):  # rejection test against the draft's q, then the recovered token
                 xs, sb = _pick(x, s), rows_b[s]
-                lse = lse_w.index_select(0, s)  # the kept tokens' normalizer where the warp knew it
-                redo = lse.isnan().nonzero().squeeze(1)
-                if len(redo):
-                    lse[redo] = logsumexp(_pick(xs, redo))
+                lse = logsumexp(xs)
                 d = drafts[sb, j]
                 ids, vals = q_ids[sb, j].long(), q_values[sb, j]
                 q_x = (vals * (ids == d[:, None])).sum(dim=1)
@@ -524,5 +485,5 @@ def logprob_top(
     return chosen, vals, ids
 
 
-__all__ = ["TOP_N", "Warp", "draft_choice", "gumbel", "gumbel_argmax", "logprob_top", "noise_e", "noise_key", "row_argmax",
-           "verify_walk", "warp_"]
+__all__ = ["TOP_N", "Warp", "draft_choice", "gumbel", "gumbel_argmax", "logprob_top", "noise_e", "noise_key", "verify_walk",
+           "warp_"]

@@ -37,7 +37,7 @@ from serve_app.engine.kv import (ATTENTION, PagedKV, attention_layers, cuda_memo
                                 pack)
 from serve_app.engine.history import PROMPT_TAIL, LiveOutputs, SuffixHistory, history_estimate
 from serve_app.engine.lookup import LOOKUP_MIN_N, CopyRecord, NgramIndex
-from serve_app.engine.sampling import TOP_N, Warp, draft_choice, logprob_top, noise_key, row_argmax, verify_walk
+from serve_app.engine.sampling import TOP_N, Warp, draft_choice, logprob_top, noise_key, verify_walk
 
 
 @dataclass
@@ -644,11 +644,9 @@ class ModelWorker:
         dev = self.device
         if all(s.params.greedy for s in seqs):  # known on the host: no read of `greedy` back
             def draw_greedy(logits, positions, small=None, rows=None):
-                top = row_argmax(logits)
-                c = None
-                if conf:
-                    c = confidence(small) if small is not None else confidence(logits, logits.gather(1, top[:, None])[:, 0])
-                return top.cpu(), None, None, c
+                top = logits.max(dim=-1)
+                c = (confidence(small) if small is not None else confidence(logits, top.values)) if conf else None
+                return top.indices.cpu(), None, None, c
 
             return draw_greedy
         w = Warp.of([s.params for s in seqs], dev)
@@ -800,7 +798,7 @@ def _backlog_agreement(seqs: list[Sequence], fed: list[list[int]], logits: torch
     it, which the target already committed.
     """
     w = logits.shape[1]
-    pred = row_argmax(logits[:, :-1]).tolist() if w > 1 else [[] for _ in seqs]  # [B, W-1]
+    pred = logits[:, :-1].max(dim=-1).indices.tolist() if w > 1 else [[] for _ in seqs]  # [B, W-1]
     checked = matched = 0
     for b, (s, f) in enumerate(zip(seqs, fed)):
         n = min(len(f), w)  # real tokens in the window; the rest is padding
