@@ -154,6 +154,12 @@ class OpenAIIngress:
     async def pid(self) -> int:
         return os.getpid()
 
+    async def breakdown(self) -> dict:
+        """Each engine group's step breakdown since the last call (`Router.breakdown`; one replica of each)."""
+        names = list(self.routers)
+        out = await asyncio.gather(*(self.routers[g].breakdown.remote() for g in names), return_exceptions=True)
+        return {g: ({"error": f"{type(b).__name__}: {b}"} if isinstance(b, BaseException) else b) for g, b in zip(names, out)}
+
     @app.get("/metrics")
     async def metrics(self):
         """Prometheus text on the API port: every Router replica's counters and gauges, as of its last

@@ -52,6 +52,17 @@ def drain(timeout_s: float, app: str = APP_NAME) -> int:
     return left
 
 
+def breakdown(window_s: float, app: str = APP_NAME) -> dict:
+    """Where each engine group's steps spent their time over the next window_s seconds ({group: Router.breakdown}).
+    Needs a connected Ray driver (ray.init)."""
+    from ray import serve
+
+    ingress = serve.get_deployment_handle("OpenAIIngress", app)
+    ingress.breakdown.remote().result()  # resets the counts: the window starts now
+    time.sleep(window_s)
+    return ingress.breakdown.remote().result()
+
+
 class _Stop(Exception):
     """SIGTERM: leave the serving loop the way Ctrl-C does."""
 

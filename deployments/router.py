@@ -100,6 +100,7 @@ class Router:
         self.recent: deque[StepStats] = deque(maxlen=self.REGRET_STEPS)  # decode steps, for stats()["regret"]
         self.drifted = False  # calibrated latencies past DRIFT_WARN (logged once each way)
         self.max_batch_seen = 0
+        self.split = self.new_split()  # where the steps' time went since the last breakdown()
         self._poll_task: asyncio.Task | None = None
         self._metrics()
         # the deployment's shared suffix history (`history_store`): what this replica's draft finished goes there,
@@ -110,6 +111,33 @@ class Router:
             await self._exchange_history()
         except Exception:
             log.warning("could not pull the shared suffix history", exc_info=True)
+
+    @staticmethod
+    def new_split() -> dict:
+        return {"steps": 0, "tokens": 0, "draft_s": 0.0, "verify_s": 0.0, "other_s": 0.0, "gap_s": 0.0}
+
+    async def breakdown(self) -> dict:
+        """Where a step's time went since the last call (which it resets), in ms per step: the Router's wait on
+        each worker split into the worker's own time in its calls (forwards, vocabulary work, the rest) and
+        the hops (Ray's calls there and back), the Router's own work in the step, and the gap between steps
+        (streaming the outputs, the hop to the step's thread)."""
+        split, self.split = self.split, self.new_split()
+        workers = await asyncio.gather(*(a.take_timings.remote() for a in self.actors), return_exceptions=True)
+        n = max(1, split["steps"])
+        ms = lambda s: round(1e3 * s / n, 2)
+        out = {"steps": split["steps"], "tokens": split["tokens"],
+               "step_ms": ms(split["draft_s"] + split["verify_s"] + split["other_s"] + split["gap_s"]),
+               "router_ms": ms(split["other_s"]), "gap_ms": ms(split["gap_s"])}
+        for role, timings in zip(self.roles, workers):
+            wait = split["verify_s" if role == "target" else "draft_s"]
+            if isinstance(timings, BaseException):  # a worker being replaced: its wait only
+                out[role] = {"wait_ms": ms(wait)}
+                continue
+            out[role] = {"wait_ms": ms(wait), "calls_per_step": round(timings["calls"] / n, 2),
+                         "forward_ms": ms(timings["forward_s"]), "sample_ms": ms(timings["sample_s"]),
+                         "call_other_ms": ms(timings["call_s"] - timings["forward_s"] - timings["sample_s"]),
+                         "hops_ms": ms(wait - timings["call_s"])}
+        return out
 
     @staticmethod
     def new_totals() -> dict:
@@ -460,6 +488,11 @@ class Router:
 
     def _on_step(self, st: StepStats) -> None:  # runs in the engine's step thread
         self.m_step.observe(st.draft_s + st.verify_s + st.other_s)
+        split = self.split
+        split["steps"] += 1
+        split["tokens"] += st.generated + st.prefilled
+        for part in ("draft_s", "verify_s", "other_s", "gap_s"):
+            split[part] += getattr(st, part)
         self.m_queue.set(len(self.engine.waiting))
         self.totals["prefix_queries"] += st.prefix_queried
         self.totals["prefix_hits"] += st.prefix_hits

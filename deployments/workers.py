@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import time
 
 import ray
 import torch
@@ -52,13 +53,36 @@ class _ModelHost:
         self.worker.tokenizer = tokenizer  # structured outputs: grammar masks over the vocabulary's strings
         self.worker.flush_denormals = False  # on for the whole process already (above)
         self.direct_bytes = 0
+        self.call_s, self.calls = 0.0, 0  # time inside model calls: a caller's wait minus this is the hop
 
     def call(self, method: str, *args):
-        return getattr(self.worker, method)(*args)
+        t = time.perf_counter()
+        try:
+            return getattr(self.worker, method)(*args)
+        finally:
+            self.call_s += time.perf_counter() - t
+            self.calls += 1
+
+    def calls(self, batch: list[tuple[str, tuple]]):
+        """Several calls in order (`RemoteWorker` holds some back to send with the next); the last one's result.
+        A reference among their arguments (an EAGLE-style draft's features) is read here: Ray resolves only the
+        references a call gets directly."""
+        out = None
+        for method, args in batch:
+            out = self.call(method, *(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args))
+        return out
 
     def verify(self, seq_ids, proposal, chunks=None) -> Verdict:
         """The target's verification; features (for an EAGLE-style draft) go into this node's object
         store and only their reference returns, so they reach the draft's actor without a Router hop."""
+        t = time.perf_counter()
+        try:
+            return self._verify(seq_ids, proposal, chunks)
+        finally:
+            self.call_s += time.perf_counter() - t
+            self.calls += 1
+
+    def _verify(self, seq_ids, proposal, chunks) -> Verdict:
         verdict = self.worker.verify(seq_ids, proposal, chunks)
         if verdict.features is None:
             return verdict
@@ -77,7 +101,8 @@ class _ModelHost:
     def take_timings(self) -> dict:
         out = self.worker.take_timings()
         out["direct_bytes"] += self.direct_bytes
-        self.direct_bytes = 0
+        out["call_s"], out["calls"] = self.call_s, self.calls
+        self.direct_bytes, self.call_s, self.calls = 0, 0.0, 0
         return out
 
     @ray.method(concurrency_group="control")
@@ -116,14 +141,35 @@ class RemoteWorker:
     actor (benchmarks; off by default because measuring is a second serialization).
     """
 
+    MAX_QUEUED = 8
+    """Calls held back (`commit`, `prefill`) before they go on their own, in one round trip."""
+
     def __init__(self, actor, timeout_s: float = 120.0, count_bytes: bool = False):
         self.actor = actor
         self.timeout_s = timeout_s
         self.count_bytes = count_bytes
         self.bytes_sent = self.bytes_received = 0
+        self.queued: list[tuple[str, tuple]] = []  # (method, args) held back for the next call
 
     def _call(self, method: str, *args):
-        return self._get(self.actor.call.remote(method, *args), args)
+        if not self.queued:
+            return self._get(self.actor.call.remote(method, *args), args)
+        batch, self.queued = self.queued + [(method, args)], []
+        return self._get(self.actor.calls.remote(batch), batch)
+
+    def _queue(self, method: str, *args) -> None:
+        """A call whose result the engine does not read (the draft's commit and prefill) rides along with the next
+        call (the actor runs them in order, first): one round trip a step instead of two, and no call running
+        beside the other worker's forward. Past MAX_QUEUED (steps without speculation) they go on their own."""
+        self.queued.append((method, args))
+        if len(self.queued) >= self.MAX_QUEUED:
+            self.flush()
+
+    def flush(self) -> None:
+        """Run the held-back calls now; raises what one of them raised."""
+        if self.queued:
+            batch, self.queued = self.queued, []
+            self._get(self.actor.calls.remote(batch), batch)
 
     def _get(self, ref, args):
         out = ray.get(ref, timeout=self.timeout_s)
@@ -137,6 +183,7 @@ class RemoteWorker:
 
     def kv_room(self, utilization, probe_tokens, share=None, memory=None):
         # share None: the actor's own GPU count (below 1 when it shares its GPU with the other role)
+        self.flush()
         return self._get(self.actor.kv_room.remote(utilization, probe_tokens, share), ())
 
     def add(self, seq_ids, prompts, params):
@@ -146,10 +193,11 @@ class RemoteWorker:
         return self._call("remove", seq_ids, remember)
 
     def reset(self):
+        self.queued = []  # a reset follows a failure: what they would have done is forgotten with the rest
         return self._call("reset")
 
-    def prefill(self, seq_ids, features=None, upto=None):
-        return self._call("prefill", seq_ids, features, upto)
+    def prefill(self, seq_ids, features=None, upto=None) -> None:
+        self._queue("prefill", seq_ids, features, upto)
 
     def propose(self, seq_ids, k):
         return self._call("propose", seq_ids, k)
@@ -157,10 +205,11 @@ class RemoteWorker:
     def verify(self, seq_ids, proposal, chunks=None):
         """The Verdict's features, if any, stay a reference: `commit` / `prefill` hand it to the draft's
         actor, which Ray gives the tensors from the target's node directly."""
+        self.flush()
         return self._get(self.actor.verify.remote(seq_ids, proposal, chunks), (seq_ids, proposal, chunks))
 
-    def commit(self, seq_ids, new_tokens, features=None):
-        return self._call("commit", seq_ids, new_tokens, features)
+    def commit(self, seq_ids, new_tokens, features=None) -> None:
+        self._queue("commit", seq_ids, new_tokens, features)
 
     def prompt_logprobs(self, ids, top):
         return self._call("prompt_logprobs", ids, top)
@@ -169,7 +218,8 @@ class RemoteWorker:
         return self._call("capture_features", layers)
 
     def take_timings(self) -> dict:
-        return ray.get(self.actor.take_timings.remote(), timeout=self.timeout_s)
+        self.flush()
+        return self._get(self.actor.take_timings.remote(), ())
 
     def info(self) -> dict:
         return self._call("info")

@@ -463,6 +463,15 @@ def _parser() -> argparse.ArgumentParser:
     dr.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for in-flight requests")
     dr.set_defaults(func=_cmd_drain)
 
+    bd = sub.add_parser("breakdown", help="where a running service's engine steps spend their time (ms per step: the "
+                                          "workers' forwards, vocabulary work and the rest of their calls, Ray's hops, the "
+                                          "Router's own work, the gap between steps), over a window of live traffic")
+    bd.add_argument("--address", default="auto", help="Ray cluster address")
+    bd.add_argument("--app", default="specserve", help="Serve application name")
+    bd.add_argument("--window", type=float, default=10.0, help="seconds of traffic to average over")
+    bd.add_argument("--json", action="store_true", help="print the raw breakdown as JSON")
+    bd.set_defaults(func=_cmd_breakdown)
+
     pf = sub.add_parser("profile", help="measure latency over batch size x k and acceptance; write this hardware's profile")
     _model_args(pf)
     pf.add_argument("--out", default=None, help="profile JSON (default profiles/<hardware type>.json); a PNG heatmap goes beside it")
@@ -1279,18 +1288,58 @@ def _load_shape(name: str):
         raise UsageError(str(e)) from None
 
 
-def _cmd_drain(args) -> int:
+def _connect(address: str) -> None:
+    """Join a running Ray cluster as a driver (drain, breakdown)."""
     import ray
 
+    try:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    except ConnectionError as e:
+        raise UsageError(f"no running Ray cluster at {address}: {e}") from None
+
+
+def _cmd_drain(args) -> int:
     from deployments.local import drain
 
-    try:
-        ray.init(address=args.address, logging_level="ERROR", log_to_driver=False)
-    except ConnectionError as e:
-        raise UsageError(f"no running Ray cluster at {args.address}: {e}") from None
+    _connect(args.address)
     left = drain(args.timeout, args.app)
     print(f"drained: {left} requests still in flight")
     return 0 if left == 0 else 1
+
+
+def _cmd_breakdown(args) -> int:
+    import json
+
+    from deployments.local import breakdown
+
+    _connect(args.address)
+    groups = breakdown(args.window, args.app)
+    if args.json:
+        print(json.dumps(groups, indent=2))
+        return 0
+    for name, b in groups.items():
+        print(format_breakdown(name, b))
+    return 0
+
+
+def format_breakdown(group: str, b: dict) -> str:
+    """A Router.breakdown as lines of text: the step, then each part of it, in ms per step."""
+    if "error" in b:
+        return f"group {group}: {b['error']}"
+    if not b["steps"]:
+        return f"group {group}: no steps in the window"
+    lines = [f"group {group}: {b['steps']} steps, {b['tokens']} tokens, {b['step_ms']:.1f} ms a step"]
+    for role in ("target", "draft"):
+        w = b.get(role)
+        if w is None:
+            continue
+        if "forward_ms" not in w:
+            lines.append(f"  {role:<7} wait {w['wait_ms']:7.1f}  (worker not answering)")
+            continue
+        lines.append(f"  {role:<7} wait {w['wait_ms']:7.1f} = forward {w['forward_ms']:.1f} + vocabulary {w['sample_ms']:.1f}"
+                     f" + rest of call {w['call_other_ms']:.1f} + hops {w['hops_ms']:.1f}  ({w['calls_per_step']:.2f} calls)")
+    lines.append(f"  router  {b['router_ms']:7.1f}   gap between steps {b['gap_ms']:.1f}")
+    return "\n".join(lines)
 
 
 def _cmd_profiles_push(args) -> int:

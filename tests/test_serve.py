@@ -193,6 +193,75 @@ def test_concurrent_requests_are_batched_on_both_groups_each_with_its_own_k(serv
     assert all(e["MALLOC_ARENA_MAX"] == "1" and e["MALLOC_MMAP_THRESHOLD_"] == str(1 << 30) for e in envs)
 
 
+def test_step_breakdown_splits_each_worker_wait_into_its_work_and_the_hops(service):
+    """`specserve breakdown`'s numbers: traffic on both groups, then each group's steps split into the workers'
+    forwards, their calls' other work and Ray's hops, which add up to what the Router waited."""
+    from deployments.local import breakdown
+    from serve_app.cli import format_breakdown
+
+    ingress = serve.get_deployment_handle("OpenAIIngress", "specserve")
+    ingress.breakdown.remote().result()  # a fresh window
+    c = service["client"]
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: c.completions.create(model=MODEL, prompt=PROMPTS[i % 3], max_tokens=16, temperature=0,
+                                                      extra_body={"ignore_eos": True}), range(4)))
+    groups = ingress.breakdown.remote().result()
+    assert set(groups) == {"A", "B"}
+    for name, b in groups.items():
+        assert b["steps"] > 0 and b["tokens"] >= 2 * 16, (name, b)  # two of the four requests at least
+        for role in ("target", "draft"):
+            w = b[role]
+            assert w["calls_per_step"] >= 1 and w["forward_ms"] > 0, (name, role, w)
+            parts = w["forward_ms"] + w["sample_ms"] + w["call_other_ms"] + w["hops_ms"]
+            assert abs(parts - w["wait_ms"]) < 0.05, (name, role, w)
+        # the step is its waits, the Router's own work and the gap before it; a hop is not longer than the wait
+        assert b["step_ms"] >= b["target"]["wait_ms"] + b["router_ms"] and b["target"]["hops_ms"] < b["target"]["wait_ms"]
+        text = format_breakdown(name, b)
+        assert f"group {name}: {b['steps']} steps" in text and "hops" in text
+    # nothing ran since: an empty window says so
+    assert "no steps" in format_breakdown("A", breakdown(0.1)["A"])
+
+
+def test_held_back_calls_ride_with_the_next_call_in_order_and_raise_there(service):
+    """RemoteWorker holds the draft's commit / prefill back and sends them with its next call, which the actor runs
+    after them; past MAX_QUEUED they go on their own; an error one raised comes out of the call it rode with (a
+    reset drops what is held back); an ObjectRef among their arguments reaches the worker as its value."""
+    from deployments.workers import RemoteWorker, _ModelHost
+
+    @ray.remote(num_cpus=0, resources={"head": 0.001}, max_concurrency=1)
+    class Log:
+        def __init__(self):
+            self.seen, self.trips = [], 0
+            self.call_s = self.calls_made = 0
+
+        def call(self, method, *args):
+            if args and args[0] == ["boom"]:
+                raise ValueError("bad commit")
+            if method == "info":
+                return list(self.seen), self.trips
+            self.seen.append((method, *args))
+
+        def calls(self, batch):
+            self.trips += 1
+            return _ModelHost.calls(self, batch)
+
+    actor = Log.remote()
+    w = RemoteWorker(actor, 30)
+    n = RemoteWorker.MAX_QUEUED + 3
+    for i in range(n):
+        w.commit([f"r{i}"], [[i]], ray.put(i) if i == 0 else None)
+    assert len(w.queued) == 3  # the first MAX_QUEUED went in one trip
+    seen, trips = w.info()  # the last 3 ride with it
+    assert [a[1] for a in seen] == [[f"r{i}"] for i in range(n)] and seen[0][3] == 0 and trips == 2 and not w.queued
+    w.prefill(["boom"], None, [1])
+    with pytest.raises(ray.exceptions.RayTaskError, match="bad commit"):
+        w.info()
+    w.prefill(["boom"], None, [1])
+    w.reset()  # drops it; the actor carries on
+    assert w.info()[0][-1] == ("reset",)
+    ray.kill(actor)
+
+
 def test_roles_ray_cannot_place_fail_the_router_start_with_what_was_asked(service):
     """A group asking for more GPUs per replica than any node has: its Router's start fails naming the
     bundles and the cluster's resources (after worker_start_timeout_s), instead of pending forever."""

@@ -126,6 +126,8 @@ class Engine:
         self.on_step: list[Callable[[StepStats], None]] = []  # observers (metrics, benchmarks)
         self._ids = itertools.count()
         self._loop_task: asyncio.Task | None = None
+        self._looping = False  # the serving loop runs the steps (StepStats.gap_s is measured between them)
+        self._step_end: float | None = None
         self.repair: Callable[["Engine"], None] | None = None
         """Called (in a worker thread) after a failed step: replace dead workers, e.g. the Router
         starting a new actor. It may set `draft` to None (decode with k = 0) and `attach_draft` a new
@@ -290,7 +292,7 @@ class Engine:
     def step(self) -> list[tuple[Request, RequestOutput]]:
         """One engine iteration over the whole batch. Returns (request, output) pairs to stream."""
         t0 = time.perf_counter()
-        st = StepStats()
+        st = StepStats(gap_s=t0 - self._step_end if self._step_end is not None else 0.0)
         # Outputs collect here as they become final, so a step that fails halfway still streams them.
         outs = self._outs = []
         if self._pending_draft is not None:
@@ -345,6 +347,7 @@ class Engine:
             self.policy.observe(st)
         for fn in self.on_step:
             fn(st)
+        self._step_end = time.perf_counter() if self._looping else None
         return outs
 
     def _decoded(self, st: StepStats, ids: list[str], proposal: Proposal, verdict, features, logprobs,
@@ -648,6 +651,7 @@ class Engine:
         finally:
             self.repairing = False
             self._repair_needed = False
+            self._step_end = None  # the wait for the repair is no step gap
 
     # ---- driving -----------------------------------------------------------------------------
     def run(self, requests: list[Request]) -> None:
@@ -679,6 +683,13 @@ class Engine:
             self._loop_task = asyncio.get_running_loop().create_task(self._loop(), context=contextvars.Context())
 
     async def _loop(self) -> None:
+        self._looping = True
+        try:
+            await self._steps()
+        finally:
+            self._looping, self._step_end = False, None
+
+    async def _steps(self) -> None:
         while self.has_work() or self._repair_needed:
             if self._repair_needed:
                 await self._recover()

@@ -81,6 +81,9 @@ class StepStats(Acceptance):
     """Seconds in target forwards (verification and target prefill)."""
     other_s: float = 0.0
     """Seconds in everything else: scheduling, acceptance bookkeeping, detokenizing."""
+    gap_s: float = 0.0
+    """Seconds from the previous step's end to this one's start while the serving loop ran on (handing the
+    outputs to their streams, the hop to the step's thread); 0 for a step the loop started with."""
     rows: RowOutcomes | None = None
     """Per row, with a per-row plan (k is then the longest row's drafted tokens, proposed their sum)."""
     by_source: dict[str, list[int]] = field(default_factory=dict)
