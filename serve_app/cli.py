@@ -108,7 +108,8 @@ def _parser() -> argparse.ArgumentParser:
     bq.add_argument("--vllm-python", default=".peer-venv/bin/python", help="the interpreter that has vLLM (make peer)")
     bq.add_argument("--sides", default="specserve,specserve-none,vllm,vllm-ngram",
                     help="comma-separated: specserve (its defaults), specserve-none (--policy none), vllm, vllm-ngram "
-                         "(n-gram speculation, k = 3)")
+                         "(n-gram speculation, k = 3); a side may add @DTYPE to serve in another dtype than --dtype "
+                         "(vllm@float32)")
     bq.add_argument("--concurrency", default="1,8,32", help="comma-separated requests in flight")
     bq.add_argument("--modes", default="greedy,sampled", help="greedy and/or sampled (temperature 0.7, top_p 0.9)")
     bq.add_argument("--max-tokens", type=int, default=128)
@@ -1413,12 +1414,14 @@ def _cmd_bench_peer(args) -> int:
     import tempfile
     from pathlib import Path
 
-    from serve_app.bench.peer import SIDES, bench_peer
-    from serve_app.models import embedded_source
+    from serve_app.bench.peer import SIDES, bench_peer, parse_side
+    from serve_app.models import DTYPES, embedded_source
 
     sides, modes = args.sides.split(","), args.modes.split(",")
-    if not set(sides) <= set(SIDES) or not set(modes) <= {"greedy", "sampled"} or args.rounds < 1 or args.max_tokens < 1:
-        raise UsageError(f"--sides from {', '.join(SIDES)}; --modes greedy,sampled; --rounds, --max-tokens >= 1")
+    kinds = [parse_side(s, args.dtype) for s in sides]
+    if not all(k in SIDES and (d == "auto" or d in DTYPES) for k, d in kinds) or not set(modes) <= {"greedy", "sampled"} \
+            or args.rounds < 1 or args.max_tokens < 1:
+        raise UsageError(f"--sides from {', '.join(SIDES)} (each may add @DTYPE); --modes greedy,sampled; --rounds, --max-tokens >= 1")
     with tempfile.TemporaryDirectory(prefix="specserve-peer-") as work:
         _write_bench(args, "peer", *bench_peer(embedded_source(), args.vllm_python, int_list(args.concurrency, "--concurrency"),
                                                 args.rounds, args.max_tokens, modes, args.dtype, sides, Path(work),

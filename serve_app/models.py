@@ -58,7 +58,19 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> str:
         if capability >= (8, 0):
             return "bfloat16"
         return "float16" if capability >= (7, 0) else "float32"
-    return "bfloat16" if cpu_has_bf16() else "float32"
+    return "bfloat16" if cpu_has_bf16() or widens_bf16("cpu") else "float32"
+
+
+def widens_bf16(device: str) -> bool:
+    """A bfloat16 model on this device is widened to float32 after loading, its weights kept bfloat16-exact:
+    a CPU without bfloat16 arithmetic where `engine/bf16_linear` runs (AVX2 and FMA, a C compiler). Its
+    linears then read bfloat16 weights and compute in float32 (half a float32 model's bytes per step; the
+    same weights as a bfloat16 model, float32 activations); everything else runs in float32."""
+    if device != "cpu" or cpu_has_bf16():
+        return False
+    from serve_app.engine import bf16_linear
+
+    return bf16_linear.available()
 
 
 EMBEDDED_DRAFT = Path(__file__).parent / "drafts" / "smollm2-135m-instruct-eagle3"
@@ -326,6 +338,10 @@ def _from_pretrained(spec: str, dtype: str, device: str, what: str) -> tuple[nn.
         raise FileNotFoundError(f"cannot load {what} {spec!r}: {e}") from None
     if device not in ("auto", "cpu"):
         model = model.to(device)
+    if model.dtype == torch.bfloat16 and widens_bf16(device):
+        nn.Module.float(model)  # not transformers' override, which refuses models read from a .gguf
+        model.config.dtype = torch.float32
+        model.specserve_dtype = "bfloat16"  # what it holds (ModelWorker.info); its arithmetic is float32
     return model.eval(), tokenizer
 
 

@@ -16,9 +16,16 @@ def unpinned(monkeypatch):
     monkeypatch.delenv("SPECSERVE_AUTO_DTYPE", raising=False)
 
 
-@pytest.mark.parametrize("native, expected", [(True, "bfloat16"), (False, "float32")])
-def test_auto_follows_the_cpus_native_bfloat16(unpinned, monkeypatch, native, expected):
+@pytest.mark.parametrize("native, kernel, expected", [
+    (True, True, "bfloat16"), (True, False, "bfloat16"),  # avx512_bf16 / AMX: oneDNN computes bfloat16
+    (False, True, "bfloat16"),  # AVX2 + FMA: bfloat16 weights, float32 arithmetic (engine/bf16_linear)
+    (False, False, "float32"),  # neither
+])
+def test_auto_follows_the_cpus_bfloat16(unpinned, monkeypatch, native, kernel, expected):
+    from serve_app.engine import bf16_linear
+
     monkeypatch.setattr(models, "cpu_has_bf16", lambda: native)
+    monkeypatch.setattr(bf16_linear, "available", lambda: kernel)
     assert resolve_dtype("auto", "cpu") == expected
     assert resolve_dtype("float16", "cpu") == "float16"  # an explicit dtype is never changed
 

@@ -9,7 +9,8 @@ latency, time to first token and inter-token latency (p50, p90). Ratios are take
 as paired ratios with 95% intervals over rounds.
 
 vLLM serves the embedded model from the float32 safetensors copy `specserve` caches, with the config entry that
-names the .gguf dropped (vLLM would try to read the .gguf); both serve it in the same dtype.
+names the .gguf dropped (vLLM would try to read the .gguf); both serve it in the run's dtype, unless a side names
+its own (`vllm@float32`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,15 @@ def peer_model_dir(source: str, out: Path) -> Path:
     return out
 
 
+def parse_side(side: str, dtype: str) -> tuple[str, str]:
+    """(kind, dtype) of a side: a name from SIDES, optionally with `@DTYPE` serving it in another dtype than the
+    run's (`vllm@float32`: vLLM's bfloat16 and float32 paths differ by batch size on a CPU without bfloat16)."""
+    kind, _, own = side.partition("@")
+    return kind, own or dtype
+
+
 def side_command(side: str, model_dir: Path, dtype: str, port: int, vllm_python: str, max_batch: int) -> list[str]:
+    side, dtype = parse_side(side, dtype)
     if side.startswith("specserve"):
         flags = ["--dtype", dtype, "--batch-size", str(max_batch), "--port", str(port), "--drain-timeout", "1",
                  "--metrics-port", str(free_port())]
@@ -166,6 +175,13 @@ def report(results: dict) -> str:
                         ratio = lambda m: fmt_paired(paired_ratio(_series(runs, a, mode, c, m), _series(runs, b, mode, c, m)))  # noqa: E731
                         lines.append(f"| {a} / {b} | {c} | {ratio('tokens_per_s')} | {ratio('mean_latency_s')} | "
                                      f"{ratio('itl_p50_s')} |")
+            if len(peers) > 1:  # the issue's bar: against whichever peer configuration serves each level fastest
+                lines += ["", "| ours / best peer | in flight | best peer | tokens/s | mean latency |", "|---|---|---|---|---|"]
+                for a in ours:
+                    for c in results["concurrencies"]:
+                        b = max(peers, key=lambda p: statistics.median(_series(runs, p, mode, c, "tokens_per_s") or [0.0]))
+                        ratio = lambda m: fmt_paired(paired_ratio(_series(runs, a, mode, c, m), _series(runs, b, mode, c, m)))  # noqa: E731
+                        lines.append(f"| {a} | {c} | {b} | {ratio('tokens_per_s')} | {ratio('mean_latency_s')} |")
         lines.append("")
     return "\n".join(lines)
 

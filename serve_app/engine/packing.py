@@ -10,7 +10,12 @@ q / k / v, and its MLP's gate / up (SmolLM2's shapes, 2 threads, 30 layers of th
 
 Float32 stays float32: outputs agree with the unpacked model to rounding (a few 1e-7 relative), as two
 BLAS libraries do; the packing hint only changes speed, never results. Packing is for inference (no
-autograd through a packed weight). `ModelWorker` packs its model in place on CPU devices unless
+autograd through a packed weight).
+
+bfloat16 weights on a CPU without bfloat16 arithmetic (`--dtype bfloat16`, or `auto` there: models.py
+loads them, then widens the model to float32) are float32 weights that a bfloat16 holds exactly. Those are
+kept as bfloat16 bits instead and multiplied by `bf16_linear` (float32 arithmetic, half the bytes to read):
+the same products as the float32 path, to rounding, at about half a decode step's linear time. `ModelWorker` packs its model in place on CPU devices unless
 `SPECSERVE_PACK_WEIGHTS=0`.
 """
 
@@ -21,6 +26,8 @@ import os
 
 import torch
 from torch import nn
+
+from serve_app.engine import bf16_linear
 
 # Every (rows, in, out) shape compiles one oneDNN primitive (about 1 ms) kept in a process-wide cache; a
 # served model meets a few hundred (rows vary by step), past the default 1,024 with a draft beside it.
@@ -59,7 +66,16 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> oneDNN's bloc
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size=ROWS_HINT)
 
 
+def _bf16_exact(weights: list[torch.Tensor]) -> bool:
+    """Float32 weights that bfloat16 holds exactly (a bfloat16 model widened by models.py), on a CPU where
+    `bf16_linear` runs and oneDNN does not pack bfloat16 itself."""
+    return all(w.dtype == torch.float32 for w in weights) and not supports(torch.bfloat16) \
+        and bf16_linear.available() and all(torch.equal(w, w.to(torch.bfloat16).float()) for w in weights)
+
+
 def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [..., in] -> [..., out]
+    if isinstance(packed, bf16_linear.Bits):  # bfloat16 weights (`_Packs`)
+        return bf16_linear.linear(x, packed, bias)
     if x.shape[-1] != packed.shape[1]:  # oneDNN's own message would not say which shapes
         raise RuntimeError(f"linear: input of {x.shape[-1]} features for a weight of {list(packed.shape)}")
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
@@ -73,7 +89,8 @@ def _key(weights: list[torch.Tensor]) -> tuple:
 
 class _Packs:
     """A packed copy of some weights (concatenated along their outputs), made on first use and again whenever one
-    of them changes; a copy of a module (deepcopy, pickle) leaves it behind and packs again."""
+    of them changes; a copy of a module (deepcopy, pickle) leaves it behind and packs again. The copy is oneDNN's
+    layout, or bfloat16 bits where every weight is a bfloat16 widened (`_bf16_exact`)."""
 
     def __init__(self):
         self.packed, self.key = None, None
@@ -81,8 +98,9 @@ class _Packs:
     def get(self, weights: list[torch.Tensor]) -> torch.Tensor:
         key = _key(weights)
         if key != self.key:
-            w = weights[0] if len(weights) == 1 else torch.cat([w.detach() for w in weights])
-            self.packed, self.key = _packed(w), key
+            w = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
+            self.packed = bf16_linear.to_bits(w) if _bf16_exact(weights) else _packed(w)
+            self.key = key
         return self.packed
 
     def __getstate__(self):

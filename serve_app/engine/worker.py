@@ -555,7 +555,7 @@ class ModelWorker:
             "vocab_size": self.model.get_output_embeddings().weight.shape[0],
             "eos_ids": eos,
             "gpu_type": detect_gpu_type(),
-            "dtype": str(self.model.dtype).removeprefix("torch."),
+            "dtype": getattr(self.model, "specserve_dtype", None) or str(self.model.dtype).removeprefix("torch."),
             "prompt_lookup": self.prompt_lookup,
         }
 
