@@ -106,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     bq = bsub.add_parser("peer", help="specserve against vLLM's server, same model and prompts, one server at a time, "
                                       "through HTTP (vLLM from `make peer`)")
     bq.add_argument("--vllm-python", default=".peer-venv/bin/python", help="the interpreter that has vLLM (make peer)")
-    bq.add_argument("--sides", default="specserve,specserve-none,vllm,vllm-ngram",
+    bq.add_argument("--sides", default="specserve,specserve-none,vllm,vllm@float32,vllm-ngram",
                     help="comma-separated: specserve (its defaults), specserve-none (--policy none), vllm, vllm-ngram "
                          "(n-gram speculation, k = 3); a side may add @DTYPE to serve in another dtype than --dtype "
                          "(vllm@float32)")
@@ -115,9 +115,17 @@ def _parser() -> argparse.ArgumentParser:
     bq.add_argument("--max-tokens", type=int, default=128)
     bq.add_argument("--rounds", type=int, default=3, help="rounds, every side once per round in rotated order")
     bq.add_argument("--requests-per-level", type=int, default=2, help="requests per level = this x in flight")
-    bq.add_argument("--dtype", default="float32", help="both servers' dtype")
+    bq.add_argument("--dtype", default="bfloat16", help="both servers' dtype (a side's @DTYPE overrides it)")
     bq.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/bench-peer-<hardware type>)")
     bq.set_defaults(func=_cmd_bench_peer)
+
+    bl = bsub.add_parser("linears", help="a decode step's linears by rows per call: bfloat16 weights (engine/bf16_linear) "
+                                         "against float32 through oneDNN")
+    bl.add_argument("--rows", default="1,2,4,8,16,32,64", help="comma-separated rows per call")
+    bl.add_argument("--rounds", type=int, default=5, help="rounds, both formats once per round in rotated order")
+    bl.add_argument("--layers", type=int, default=30, help="layers of the embedded model's shapes (and its head)")
+    bl.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/bench-linears-<hardware type>)")
+    bl.set_defaults(func=_cmd_bench_linears)
 
     bs = bsub.add_parser("step", help="one engine step at real model shapes (random weights, few layers): device "
                                       "forwards, other device work and the rest, in process and through Ray actors")
@@ -1407,6 +1415,15 @@ def _cmd_bench_http(args) -> int:
         raise UsageError("bench http runs the same k on both sides: --policy none or fixed:K; --rounds >= 1")
     _write_bench(args, "http", *bench_http(_bench_model(args), args.policy, args.max_tokens, args.concurrency,
                                             args.requests, args.port, args.rounds))
+    return 0
+
+
+def _cmd_bench_linears(args) -> int:
+    from serve_app.bench.linears import bench_linears
+
+    if args.rounds < 1 or args.layers < 1:
+        raise UsageError("--rounds and --layers >= 1")
+    _write_bench(args, "linears", *bench_linears(int_list(args.rows, "--rows"), args.rounds, args.layers))
     return 0
 
 

@@ -338,11 +338,22 @@ def _from_pretrained(spec: str, dtype: str, device: str, what: str) -> tuple[nn.
         raise FileNotFoundError(f"cannot load {what} {spec!r}: {e}") from None
     if device not in ("auto", "cpu"):
         model = model.to(device)
+    return widened(model, device).eval(), tokenizer
+
+
+def held_dtype(model: nn.Module) -> str:
+    """The dtype a model's weights hold: "bfloat16" for a widened one (`widened`), else its parameters' dtype."""
+    return getattr(model, "specserve_dtype", None) or str(model.dtype).removeprefix("torch.")
+
+
+def widened(model: nn.Module, device: str) -> nn.Module:
+    """A bfloat16 model widened to float32 in place where the device computes it that way (`widens_bf16`): its
+    weights stay the bfloat16 ones (packing keeps them as bfloat16 for the linears), its arithmetic is float32."""
     if model.dtype == torch.bfloat16 and widens_bf16(device):
         nn.Module.float(model)  # not transformers' override, which refuses models read from a .gguf
         model.config.dtype = torch.float32
-        model.specserve_dtype = "bfloat16"  # what it holds (ModelWorker.info); its arithmetic is float32
-    return model.eval(), tokenizer
+        model.specserve_dtype = "bfloat16"  # what it holds (ModelWorker.info)
+    return model
 
 
 def _load_kwargs(spec: str, dtype: str, device: str) -> dict:

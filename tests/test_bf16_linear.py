@@ -124,3 +124,13 @@ def test_dtype_bfloat16_loads_float32_arithmetic_over_bfloat16_weights(monkeypat
     monkeypatch.setattr(models, "cpu_has_bf16", lambda: True)  # native bfloat16: left as loaded
     native, _, _ = models.load_target(tiny_model_dirs["target"], "bfloat16")
     assert native.dtype == torch.bfloat16
+
+
+def test_bench_linears_reports_both_formats_paired_by_rows():
+    from serve_app.bench.linears import bench_linears
+
+    results, text = bench_linears([1, 3], rounds=2, layers=1, head=64, reps=1)
+    assert {(r["format"], r["rows"]) for r in results["runs"]} == {(f, n) for f in ("float32", "bf16") for n in (1, 3)}
+    assert len(results["runs"]) == 8 and all(r["ms"] > 0 for r in results["runs"])
+    rows = [line for line in text.splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]
+    assert len(rows) == 2 and all("x [" in line and "GB/s" in line for line in rows)

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from serve_app.config import EngineConfig, ModelConfig, SamplingParams
 from serve_app.hardware import sync
-from serve_app.models import load_models, load_target
+from serve_app.models import held_dtype, load_models, load_target
 from serve_app.bench.prompt_sets import BENCH_PROMPTS, chat_prompts
 from serve_app.engine.scheduler import Engine
 from serve_app.bench.rounds import fmt_ratio, rotated, summary
@@ -126,7 +126,7 @@ def bench_engine(mc: ModelConfig, max_tokens: int = 64, num_prompts: int = 4, ks
     prompts = chat_prompts(models.tokenizer, BENCH_PROMPTS, n_all)
     single, many = prompts[:num_prompts], prompts[:concurrency]
     policies = ["none"] + [f"fixed:{k}" for k in ks if models.draft is not None]
-    low_precision = models.target.dtype in (torch.bfloat16, torch.float16)
+    low_precision = held_dtype(models.target) in ("bfloat16", "float16")  # a widened bfloat16 model included
     # a float32 load of the same weights (a GGUF-loaded model refuses `.float()`)
     hf32 = load_target(mc.target, "float32", mc.device)[0] if low_precision else None
     baselines = ["hf"] + (["hf32"] if hf32 is not None else [])
@@ -169,7 +169,7 @@ def bench_engine(mc: ModelConfig, max_tokens: int = 64, num_prompts: int = 4, ks
     hf_time = {n: [sum(times[:n]) for times, _ in runs["hf"]] for n in (num_prompts, concurrency)}
     hf32_time = {n: [sum(times[:n]) for times, _ in runs["hf32"]] for n in (num_prompts, concurrency)} if hf32 is not None else None
     results = {"target": models.target_name, "draft": models.draft_name, "max_tokens": max_tokens,
-               "dtype": str(models.target.dtype).removeprefix("torch."),
+               "dtype": held_dtype(models.target),
                "num_prompts": num_prompts, "concurrency": concurrency, "rounds": rounds,
                "prompts": "BENCH_PROMPTS", "hf_outputs_stable_over_rounds": hf_stable, "rows": []}
     for n in (num_prompts, concurrency):

@@ -113,7 +113,9 @@ def random_llama(shape: ModelShape, layers: int, seed: int = 0, dtype: torch.dty
                 layer.self_attn.o_proj.weight.mul_(scale)
                 layer.mlp.down_proj.weight.mul_(scale)
     model.generation_config.eos_token_id = EOS_ID
-    return model.to(dtype).eval()
+    from serve_app.models import widened
+
+    return widened(model.to(dtype), device).eval()  # bfloat16 on an AVX2 CPU: float32 over bfloat16 weights
 
 
 def eagle3_layers(num_layers: int) -> list[int]:

@@ -7,9 +7,9 @@
  * The weights come packed in blocks of 16 outputs: wb[N / 16][K][16] (the last block zero-padded), so one
  * 32-byte read gives a k's 16 weights, widened to float32 in registers (a bfloat16 is the top half of a
  * float32). Up to 6 rows of x share each read: 12 accumulators of 8 lanes, an FMA per row and half-block
- * per k, a broadcast x[m][k] per row. SmolLM2-135M's five projections and head, 30 layers, 2 threads of an
- * AVX2 EPYC, against oneDNN's packed float32: 0.39 / 0.35 / 0.46 / 0.60 / 0.77 / 0.63x the time at 1 / 4 /
- * 8 / 16 / 32 / 64 rows (22.6 against 57.1 ms at 1 row: 12 GB/s of weights).
+ * per k, a broadcast x[m][k] per row. SmolLM2-135M's linears, 30 layers and the head, 2 threads of an AVX2
+ * EPYC, against oneDNN's packed float32 (`specserve bench linears`): 0.41 / 0.38 / 0.46 / 0.51 / 0.73 / 0.76x
+ * the time at 1 / 4 / 8 / 16 / 32 / 64 rows (17.3 against 43.2 ms at 1 row: 15.5 GB/s of weights).
  *
  * Batch-invariant by construction: y[m, n] is one FMA chain over k = 0..K-1 in order, plus the bias, in
  * every tile shape and thread count, so a row's output never depends on what else is in the batch.

@@ -5,8 +5,8 @@ CPUs with avx512_bf16 or AMX run a bfloat16 model through oneDNN (`packing`); AV
 EPYC Zen 2/3, the project's 2-core machines) have no library path that reads bfloat16 weights at the
 memory's pace (oneDNN will not pack them; torch's bfloat16 matmul, measured on SmolLM2-135M's five
 projections and head, 30 layers: 28 ms at 1 row but 137 ms at 8 rows against 79 ms for float32). The
-kernel here widens each weight to float32 in registers: 0.35-0.46x oneDNN's packed float32 time from 1 to
-8 rows, 0.6-0.77x from 16 to 64 (figures in the C file).
+kernel here widens each weight to float32 in registers: 0.38-0.46x oneDNN's packed float32 time from 1 to
+8 rows, 0.51-0.76x from 16 to 64 (`specserve bench linears`; figures in the C file).
 
 It is compiled on first use with the machine's C compiler (`cc`, about a second) into
 $SPECSERVE_CACHE/kernels, keyed by the source's hash; without a compiler, AVX2 or FMA, `available()` is
@@ -55,27 +55,39 @@ def _cpu_flags() -> set[str]:
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("SPECSERVE_BF16_KERNEL", "1") == "0" or not {"avx2", "fma"} <= _cpu_flags():
         return None
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"bf16_linear-{digest}.so"
-    if not target.exists():
-        if cc is None:
-            log.warning("no C compiler: bfloat16 weights stay float32 on this CPU")
-            return None
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed: concurrent builders race safely
-            out = Path(tmp) / target.name
-            done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
-            if done.returncode != 0:
-                log.warning("bfloat16 kernel did not compile (%s): weights stay float32\n%s", cc, done.stderr[-2000:])
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    name = f"bf16_linear-{digest}.so"
+    for where in (_cache_dir(), Path(tempfile.gettempdir()) / "specserve-kernels"):  # a read-only home: /tmp
+        target = where / name
+        try:
+            if not target.exists() and not _build(target):
                 return None
-            os.replace(out, target)
-    lib = ctypes.CDLL(str(target))  # after torch: its libgomp.so.1 is the OpenMP runtime both use
-    c_long, ptr = ctypes.c_long, ctypes.c_void_p
-    lib.bf16_linear.argtypes = [ptr, c_long, c_long, c_long, ptr, c_long, ptr, ptr, c_long, ctypes.c_int]
-    lib.bf16_linear.restype = None
-    return lib
+        except OSError as e:
+            log.warning("bfloat16 kernel: cannot write %s (%s)", where, e)
+            continue
+        lib = ctypes.CDLL(str(target))  # after torch: its libgomp.so.1 is the OpenMP runtime both use
+        c_long, ptr = ctypes.c_long, ctypes.c_void_p
+        lib.bf16_linear.argtypes = [ptr, c_long, c_long, c_long, ptr, c_long, ptr, ptr, c_long, ctypes.c_int]
+        lib.bf16_linear.restype = None
+        return lib
+    return None
+
+
+def _build(target: Path) -> bool:
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        log.warning("no C compiler for the bfloat16 kernel: `auto` is float32 on this CPU")
+        return False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed: concurrent builders race safely
+        out = Path(tmp) / target.name
+        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+        if done.returncode != 0:
+            log.warning("the bfloat16 kernel did not compile (%s): `auto` is float32 on this CPU\n%s", cc,
+                        done.stderr[-2000:])
+            return False
+        os.replace(out, target)
+    return True
 
 
 def available() -> bool:

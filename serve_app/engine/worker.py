@@ -29,6 +29,7 @@ import torch
 
 from serve_app.config import SamplingParams
 from serve_app.hardware import detect_gpu_type
+from serve_app.models import held_dtype
 from serve_app.engine.controls import Controls, has_controls
 from serve_app.engine.draftplan import DraftPlan, PlanWalk
 from serve_app.engine.grammar import Guide
@@ -555,7 +556,7 @@ class ModelWorker:
             "vocab_size": self.model.get_output_embeddings().weight.shape[0],
             "eos_ids": eos,
             "gpu_type": detect_gpu_type(),
-            "dtype": getattr(self.model, "specserve_dtype", None) or str(self.model.dtype).removeprefix("torch."),
+            "dtype": held_dtype(self.model),
             "prompt_lookup": self.prompt_lookup,
         }
 
