@@ -15,8 +15,9 @@ autograd through a packed weight).
 bfloat16 weights on a CPU without bfloat16 arithmetic (`--dtype bfloat16`, or `auto` there: models.py
 loads them, then widens the model to float32) are float32 weights that a bfloat16 holds exactly. Those are
 kept as bfloat16 bits instead and multiplied by `bf16_linear` (float32 arithmetic, half the bytes to read):
-the same products as the float32 path, to rounding, at about half a decode step's linear time. `ModelWorker` packs its model in place on CPU devices unless
-`SPECSERVE_PACK_WEIGHTS=0`.
+the same products as the float32 path, to rounding, at about half a decode step's linear time.
+
+`ModelWorker` packs its model in place on CPU devices unless `SPECSERVE_PACK_WEIGHTS=0`.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class _Packs:
     def __init__(self):
         self.packed, self.key = None, None
 
-    def get(self, weights: list[torch.Tensor]) -> torch.Tensor:
+    def get(self, weights: list[torch.Tensor]) -> torch.Tensor | bf16_linear.Bits:
         key = _key(weights)
         if key != self.key:
             w = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
