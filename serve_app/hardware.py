@@ -70,6 +70,14 @@ def _read(file: Path) -> str | None:
         return None
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (Linux /proc/cpuinfo: avx2, fma, avx512_bf16, ...); empty where unreadable."""
+    for line in (_read(Path("/proc/cpuinfo")) or "").splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
 def detect_gpu_type() -> str:
     """`NVIDIA_H100`-style name of the first CUDA device (`gpu_type_name`), else `cpu-<N>core`."""
     try:

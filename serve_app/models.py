@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from serve_app.config import EMBEDDED, ModelConfig
+from serve_app.hardware import cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +29,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def cpu_has_bf16() -> bool:
     """Native bfloat16 arithmetic on this CPU (avx512_bf16 or AMX)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def cache_root() -> Path:
+    """Where specserve keeps what it makes on first use: $SPECSERVE_CACHE, default ~/.cache/specserve."""
+    return Path(os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve")
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> str:
@@ -218,8 +220,7 @@ def embedded_source() -> str:
     replacement worker's start (crash recovery) and every `serve` start wait on. The .gguf itself
     when the cache cannot be written."""
     gguf = embedded_gguf()
-    cache = Path(os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve")
-    out = cache / f"{gguf.stem}-{gguf.stat().st_size}"
+    out = cache_root() / f"{gguf.stem}-{gguf.stat().st_size}"
     if (out / "model.safetensors").is_file():
         return str(out)
     try:

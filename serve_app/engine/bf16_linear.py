@@ -10,7 +10,7 @@ kernel here widens each weight to float32 in registers: 0.38-0.46x oneDNN's pack
 
 It is compiled on first use with the machine's C compiler (`cc`, about a second) into
 $SPECSERVE_CACHE/kernels, keyed by the source's hash; without a compiler, AVX2 or FMA, `available()` is
-False and models keep float32 weights. Outputs are batch-invariant: a row's result does not depend on
+False: `auto` is float32 there and a bfloat16 model runs in bfloat16, as before. Outputs are batch-invariant: a row's result does not depend on
 the other rows (see the C file).
 """
 
@@ -29,6 +29,8 @@ from typing import NamedTuple
 
 import torch
 
+from serve_app.hardware import cpu_flags
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
@@ -36,28 +38,15 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "
 """-ffp-contract=off: no FMA the source does not write (the bias add stays an add in every path)."""
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve") / "kernels"
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("SPECSERVE_BF16_KERNEL", "1") == "0" or not {"avx2", "fma"} <= _cpu_flags():
+    if os.environ.get("SPECSERVE_BF16_KERNEL", "1") == "0" or not {"avx2", "fma"} <= cpu_flags():
         return None
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
     name = f"bf16_linear-{digest}.so"
-    for where in (_cache_dir(), Path(tempfile.gettempdir()) / "specserve-kernels"):  # a read-only home: /tmp
+    from serve_app.models import cache_root  # models loads this module lazily, in turn
+
+    for where in (cache_root() / "kernels", Path(tempfile.gettempdir()) / "specserve-kernels"):  # a read-only home: /tmp
         target = where / name
         try:
             if not target.exists() and not _build(target):
