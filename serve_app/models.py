@@ -220,7 +220,8 @@ def embedded_source() -> str:
     replacement worker's start (crash recovery) and every `serve` start wait on. The .gguf itself
     when the cache cannot be written."""
     gguf = embedded_gguf()
-    out = cache_root() / f"{gguf.stem}-{gguf.stat().st_size}"
+    cache = cache_root()
+    out = cache / f"{gguf.stem}-{gguf.stat().st_size}"
     if (out / "model.safetensors").is_file():
         return str(out)
     try:
