@@ -10,6 +10,23 @@ from .config import AppConfig
 
 APP_NAME = "specserve"
 
+SERVE_ENV = {
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1",
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "2000",
+}
+"""Ray Serve's two busiest timers, slowed (its defaults: the controller's loop every 0.1 s, every replica exporting
+its cached metrics every 0.1 s). Each wake-up lands on a core a forward's OpenMP threads are using, and a parallel
+region waits for its slowest thread: beside an idle service with the defaults a batch-1 forward took 1.33x its time
+with the service frozen; with these, about the same (docs/benchmarks.md). The controller still notices a dead
+replica within a loop; Prometheus scrapes every few seconds anyway."""
+
+
+def quiet_serve_env() -> None:
+    """SERVE_ENV into this process's environment (what a local cluster started from here inherits); a variable the
+    user set stays as set. A cluster started elsewhere (KubeRay) sets them in its pods (k8s/rayservice*.yaml)."""
+    for name, value in SERVE_ENV.items():
+        os.environ.setdefault(name, value)
+
 
 def start(app_args: dict, host: str = "127.0.0.1", port: int = 8000, metrics_port: int | None = None,
           resources: dict | None = None) -> str:
@@ -20,6 +37,7 @@ def start(app_args: dict, host: str = "127.0.0.1", port: int = 8000, metrics_por
     from .app import build_app
 
     cfg = AppConfig.model_validate(app_args)  # validate before starting anything
+    quiet_serve_env()
     ray.init(
         num_cpus=max(os.cpu_count() or 1, 4), resources=resources, include_dashboard=False,
         _metrics_export_port=metrics_port, logging_level="WARNING",

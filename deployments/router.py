@@ -70,7 +70,7 @@ class Router:
         self.actor_names = [self._names[i] for i in range(len(self.roles))]
         target = RemoteWorker(self.actors[0], self.group.call_timeout_s)
         draft = RemoteWorker(self.actors[1], self.group.call_timeout_s) if has_draft else None
-        await asyncio.gather(*(a.ping.remote() for a in self.actors))  # ready only once both models loaded
+        await asyncio.gather(*(a.start.remote() for a in self.actors))  # ready only once both models loaded
         info = await self.actors[0].call.remote("info")
         self.gpu_type = self.group.gpu_type or info["gpu_type"]
         self.model_pair = model_names(mc)
@@ -201,7 +201,7 @@ class Router:
         return t0
 
     def _ready(self, i: int, t0: float) -> None:
-        ray.get(self.actors[i].ping.remote(), timeout=self.group.worker_start_timeout_s)
+        ray.get(self.actors[i].start.remote(), timeout=self.group.worker_start_timeout_s)  # its model loaded
         if self.roles[i] == "draft" and self.history_store is not None and self.history is not None:
             # a replacement draft remembers its outputs for the shared history from its first request, not from
             # the next poll's exchange (what finished in between never reached the store)

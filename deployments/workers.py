@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import threading
 import time
 
 import ray
@@ -26,36 +27,54 @@ from serve_app.models import load_target
 
 
 class _ModelHost:
-    """Loads one model and forwards engine calls to its ModelWorker."""
+    """Loads one model and forwards engine calls to its ModelWorker.
+
+    The model loads on the thread that runs its calls (the first of them, or `start`), never in `__init__`:
+    torch keeps an OpenMP pool per calling thread, and a second pool (Ray runs `__init__` on the actor's main
+    thread, its calls on another) makes libgomp count more threads than cores and stop spinning at its
+    barriers, so every parallel region of a forward waits for a sleeping thread to wake."""
 
     role = ""
 
     def __init__(self, model: dict, torch_threads: int = 0):
+        self.model, self.torch_threads = model, torch_threads
+        self.worker = None
+        self.load_thread: int | None = None  # the thread the model loaded on (its OpenMP pool's)
+        self.direct_bytes = 0
+        self.call_s, self.calls = 0.0, 0  # time inside model calls: a caller's wait minus this is the hop
+
+    def start(self) -> bool:
+        """Load the model if not yet loaded (on this, the model calls' thread); True once it is."""
+        if self.worker is None:
+            self._load()
+            self.load_thread = threading.get_ident()
+        return True
+
+    def _load(self) -> None:
         from serve_app.hardware import available_cpus
         from serve_app.models import load_draft_for_host
 
-        # Denormals as zeros for the whole process, before torch starts its thread pool (threads inherit
-        # the setting): see serve_app.engine.worker.denormals_flushed, which the worker then leaves alone.
+        # Denormals as zeros on this thread before torch starts its OpenMP pool from it (the pool's threads
+        # inherit the setting): see serve_app.engine.worker.denormals_flushed, which the worker then leaves alone.
         torch.set_flush_denormal(True)
 
         # Ray sets OMP_NUM_THREADS to the actor's num_cpus (1), which would leave torch one core; the
         # machine's count (os.cpu_count()) would be the node's cores in a pod limited to a few.
-        torch.set_num_threads(torch_threads or available_cpus())
-        mc = ModelConfig(**model)
+        torch.set_num_threads(self.torch_threads or available_cpus())
+        mc = ModelConfig(**self.model)
         if self.role == "target":
             target, tokenizer, _ = load_target(mc.target, mc.dtype, mc.device)
-            self.worker = ModelWorker(target, "target", tokenizer.pad_token_id or 0)
+            worker = ModelWorker(target, "target", tokenizer.pad_token_id or 0)
         else:  # the target's weights only if the draft is built from them (not for ngram, a separate model)
             draft, tokenizer = load_draft_for_host(mc)
-            self.worker = draft_worker(draft, tokenizer.pad_token_id or 0, mc.prompt_lookup, mc.history_tokens,
-                                       mc.history_scope == "shared")
-
-        self.worker.tokenizer = tokenizer  # structured outputs: grammar masks over the vocabulary's strings
-        self.worker.flush_denormals = False  # on for the whole process already (above)
-        self.direct_bytes = 0
-        self.call_s, self.calls = 0.0, 0  # time inside model calls: a caller's wait minus this is the hop
+            worker = draft_worker(draft, tokenizer.pad_token_id or 0, mc.prompt_lookup, mc.history_tokens,
+                                  mc.history_scope == "shared")
+        worker.tokenizer = tokenizer  # structured outputs: grammar masks over the vocabulary's strings
+        worker.flush_denormals = False  # on for this thread and its pool already (above)
+        self.worker = worker
 
     def call(self, method: str, *args):
+        self.start()
         t = time.perf_counter()
         try:
             return getattr(self.worker, method)(*args)
@@ -75,6 +94,7 @@ class _ModelHost:
     def verify(self, seq_ids, proposal, chunks=None) -> Verdict:
         """The target's verification; features (for an EAGLE-style draft) go into this node's object
         store and only their reference returns, so they reach the draft's actor without a Router hop."""
+        self.start()
         t = time.perf_counter()
         try:
             return self._verify(seq_ids, proposal, chunks)
@@ -96,9 +116,11 @@ class _ModelHost:
         if share is None:
             gpus = ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0)
             share = min(1.0, gpus) if gpus else 1.0
+        self.start()
         return self.worker.kv_room(utilization, probe_tokens, share)
 
     def take_timings(self) -> dict:
+        self.start()
         out = self.worker.take_timings()
         out["direct_bytes"] += self.direct_bytes
         out["call_s"], out["calls"] = self.call_s, self.calls

@@ -21,6 +21,7 @@ import hashlib
 import importlib
 import importlib.util
 import json
+import os
 import re
 import sys
 import threading
@@ -328,6 +329,28 @@ def test_cpu_variant_runs_the_embedded_default_without_gpus():
         for c in template["spec"]["containers"]:
             assert c["image"] == "specserve:0.1.0-cpu" and c["imagePullPolicy"] == "IfNotPresent"
             assert {"name": "HF_HUB_OFFLINE", "value": "1"} in c["env"]
+
+
+def test_every_ray_pod_slows_serves_timers_as_specserve_serve_does():
+    """Serve's controller loop and replica metrics export at `deployments.local.SERVE_ENV`'s periods in every pod
+    (the controller runs on the head, replicas anywhere), as on the local cluster `specserve serve` starts."""
+    from deployments.local import SERVE_ENV
+
+    for name, rs in rayservices():
+        for group, template in pod_templates(rs):
+            for c in template["spec"]["containers"]:
+                env = {e["name"]: e.get("value") for e in c.get("env", [])}
+                assert {k: env.get(k) for k in SERVE_ENV} == SERVE_ENV, (name, group, c["name"])
+
+
+def test_quiet_serve_env_fills_in_what_the_user_left_unset(monkeypatch):
+    from deployments.local import SERVE_ENV, quiet_serve_env
+
+    monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.1")
+    monkeypatch.delenv("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS", raising=False)
+    quiet_serve_env()
+    assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.1"  # the user's stays
+    assert os.environ["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"] == SERVE_ENV["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"]
 
 
 def test_ray_version_agrees_across_manifests_installed_ray_and_dockerfile():

@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -74,6 +75,9 @@ def service(tmp_path_factory):
     # and 4 units of a stand-in resource. Each node's metrics agent binds a port of its own choosing (reported
     # back): a port picked here and released could be taken by one of the cluster's own connections before
     # the agent binds it, and a node whose agent cannot bind never starts (CI saw that).
+    from deployments.local import quiet_serve_env
+
+    quiet_serve_env()  # Serve's timers as `specserve serve` sets them
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 8, "resources": {"head": 1}, "include_dashboard": False})
     def add_node(g: str):
         return cluster.add_node(num_cpus=4, num_gpus=GPUS[g], resources={f"gpu_{g}": 4, f"accelerator_type:{g}": 1})
@@ -588,9 +592,13 @@ def test_eagle3_features_go_from_target_actor_to_draft_actor_directly(service, e
                                    EngineConfig(policy="none", max_batch_size=4))
         ref = [alone.submit(r.prompt_ids, r.params) for r in reqs]
         alone.run(ref)
+        # each model loaded on the thread its calls run on (one OpenMP pool: workers._ModelHost), not Ray's main one
+        threads = ray.get([a.__ray_call__.remote(lambda host: (host.load_thread, threading.get_ident(),
+                                                               threading.main_thread().ident)) for a in actors])
     finally:
         for a in actors:
             ray.kill(a)
+    assert all(loaded == calls != main for loaded, calls, main in threads), threads
     assert [r.output_ids for r in reqs] == [r.output_ids for r in ref]
     assert sum(s.k for s in steps) > 0 and direct > 0
     assert crossed / len(steps) < 8_000, crossed / len(steps)  # ids, k tokens and counts per step

@@ -205,7 +205,7 @@ def ray_side(cfg: StepBench, models: StepModels, call_timeout_s: float = 600.0):
         actors = [cls.options(num_cpus=1, num_gpus=gpus, max_concurrency=1, runtime_env=env).remote(mc)
                   for cls in (TargetWorker, DraftWorker)]
         try:
-            ray.get([a.ping.remote() for a in actors], timeout=call_timeout_s)  # both models loaded
+            ray.get([a.start.remote() for a in actors], timeout=call_timeout_s)  # both models loaded
             target, draft = (RemoteWorker(a, call_timeout_s, count_bytes=True) for a in actors)
             engine = Engine(target, draft, models.tokenizer, _engine_config(cfg), FixedK(cfg.k))
             yield Side("ray", engine, [target, draft], [target, draft])
