@@ -10,8 +10,8 @@ kernel here widens each weight to float32 in registers: 0.38-0.46x oneDNN's pack
 
 It is compiled on first use with the machine's C compiler (`cc`, about a second) into
 $SPECSERVE_CACHE/kernels, keyed by the source's hash; without a compiler, AVX2 or FMA, `available()` is
-False: `auto` is float32 there and a bfloat16 model runs in bfloat16, as before. Outputs are batch-invariant: a row's result does not depend on
-the other rows (see the C file).
+False: `auto` is float32 there and a bfloat16 model runs in bfloat16, as before. Outputs are batch-invariant:
+a row's result does not depend on the other rows (see the C file).
 """
 
 from __future__ import annotations
