@@ -107,3 +107,36 @@ def test_pool_is_sized_from_device_memory(tiny_target):
     req = engine.submit(list(range(3, 20)), SamplingParams(max_tokens=8, ignore_eos=True))
     engine.run([req])
     assert len(req.output_ids) == 8
+
+
+needs_kernel = pytest.mark.skipif(attention._kernel() is None, reason="no AVX2/FMA CPU or C compiler here")
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", ["decode", "verify-ragged", "prefill-chunks"])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (9, 3, 64), (4, 4, 128)])
+def test_the_c_kernel_reads_the_pool_as_sdpa_reads_the_copy(case, heads, kv_heads, dim, monkeypatch):
+    """gather's C kernel (short rows, float32, CPU) against SDPA on the gathered copy, queries handed as a
+    strided view (the lean forward's: a slice of the fused projection), blocks shuffled, a shared prefix."""
+    spec = [(s + 16, n) for s, n in CASES[case]]
+    q, kp, vp, rows, pos, bs, nblk = attention.random_batch(spec, heads, kv_heads, dim, seed=heads + dim,
+                                                            shared_prefix_blocks=1)
+    q = torch.cat([q, torch.randn(q.shape[0], 3, dim)], dim=1)[:, :heads]  # not contiguous
+    lay = attention.layout("gather", rows, pos, bs, nblk)
+    assert any(attention._kernel_fits(q, kp, vp, g) for g in lay)
+    got = attention.attend("gather", q, kp, vp, lay, None)
+    monkeypatch.setattr(attention, "_kernel", lambda: None)
+    want = attention.attend("gather", q, kp, vp, lay, None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_the_c_kernel_is_batch_invariant():
+    """A row's output is the same bits alone or beside others (the sums never depend on the batch)."""
+    spec = [(40, 3), (7, 1), (90, 5)]
+    q, kp, vp, rows, pos, bs, nblk = attention.random_batch(spec, 8, 2, 64, seed=5)
+    both = attention.attend("gather", q, kp, vp, attention.layout("gather", rows, pos, bs, nblk), None)
+    alone = attention.Row(0, rows[2].n, rows[2].start, rows[2].table)
+    mine = slice(rows[2].offset, rows[2].offset + rows[2].n)
+    one = attention.attend("gather", q[mine], kp, vp, attention.layout("gather", [alone], pos[mine], bs, nblk), None)
+    assert torch.equal(one, both[mine])

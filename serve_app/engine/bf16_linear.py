@@ -8,9 +8,8 @@ projections and head, 30 layers: 28 ms at 1 row but 137 ms at 8 rows against 79 
 kernel here widens each weight to float32 in registers: 0.38-0.46x oneDNN's packed float32 time from 1 to
 8 rows, 0.51-0.76x from 16 to 64 (`specserve bench linears`; figures in the C file).
 
-It is compiled on first use with the machine's C compiler (`cc`, about a second) into
-$SPECSERVE_CACHE/kernels, keyed by the source's hash; without a compiler, AVX2 or FMA, `available()` is
-False: `auto` is float32 there and a bfloat16 model runs in bfloat16, as before. Outputs are batch-invariant:
+It is compiled on first use with the machine's C compiler (`ckernels`); without a compiler, AVX2 or FMA,
+`available()` is False: `auto` is float32 there and a bfloat16 model runs in bfloat16, as before. Outputs are batch-invariant:
 a row's result does not depend on the other rows (see the C file).
 """
 
@@ -18,65 +17,28 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
 import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from serve_app.engine import ckernels
 from serve_app.hardware import cpu_flags
 
-log = logging.getLogger(__name__)
-
 SOURCE = Path(__file__).with_suffix(".c")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
-"""-ffp-contract=off: no FMA the source does not write (the bias add stays an add in every path)."""
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("SPECSERVE_BF16_KERNEL", "1") == "0" or not {"avx2", "fma"} <= cpu_flags():
         return None
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    name = f"bf16_linear-{digest}.so"
-    from serve_app.models import cache_root  # models loads this module lazily, in turn
-
-    for where in (cache_root() / "kernels", Path(tempfile.gettempdir()) / "specserve-kernels"):  # a read-only home: /tmp
-        target = where / name
-        try:
-            if not target.exists() and not _build(target):
-                return None
-        except OSError as e:
-            log.warning("bfloat16 kernel: cannot write %s (%s)", where, e)
-            continue
-        lib = ctypes.CDLL(str(target))  # after torch: its libgomp.so.1 is the OpenMP runtime both use
+    lib = ckernels.load(SOURCE)
+    if lib is not None:
         c_long, ptr = ctypes.c_long, ctypes.c_void_p
         lib.bf16_linear.argtypes = [ptr, c_long, c_long, c_long, ptr, c_long, ptr, ptr, c_long, ctypes.c_int]
         lib.bf16_linear.restype = None
-        return lib
-    return None
-
-
-def _build(target: Path) -> bool:
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
-        log.warning("no C compiler for the bfloat16 kernel: `auto` is float32 on this CPU")
-        return False
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed: concurrent builders race safely
-        out = Path(tmp) / target.name
-        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
-        if done.returncode != 0:
-            log.warning("the bfloat16 kernel did not compile (%s): `auto` is float32 on this CPU\n%s", cc,
-                        done.stderr[-2000:])
-            return False
-        os.replace(out, target)
-    return True
+    return lib
 
 
 def available() -> bool:

@@ -200,15 +200,24 @@ class PagedKV(Cache):
     # ---- transformers' Cache interface -----------------------------------------------------
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # key_states, value_states: [1, kv_heads, T, head_dim] for the packed tokens of this forward
-        if layer_idx == len(self.keys):
-            shape = (0, key_states.shape[1], key_states.shape[3])
-            self.keys.append(key_states.new_zeros(shape))
-            self.values.append(value_states.new_zeros(shape))
-        self._fit(layer_idx)
         slots = self.batch.on(key_states.device).slots
-        self.keys[layer_idx].index_copy_(0, slots, key_states[0].transpose(0, 1))
-        self.values[layer_idx].index_copy_(0, slots, value_states[0].transpose(0, 1))
+        self.write(layer_idx, key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), slots)
         return key_states, value_states  # attention reads the pool (`paged_attention`), not these
+
+    def write(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store one forward's keys and values ([T, kv_heads, head_dim] each) of a layer at pool slots [T]."""
+        if layer_idx == len(self.keys):
+            shape = (0, keys.shape[1], keys.shape[2])
+            self.keys.append(keys.new_zeros(shape))
+            self.values.append(values.new_zeros(shape))
+        self._fit(layer_idx)
+        self.keys[layer_idx].index_copy_(0, slots, keys)
+        self.values[layer_idx].index_copy_(0, slots, values)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, layout, scaling: float) -> torch.Tensor:
+        """Attention of a forward's queries ([T, heads, head_dim]) over a layer's pool, by this cache's
+        backend, as `layout` (the batch's) says -> [T, heads, head_dim]."""
+        return attention.attend(self.attention, q, self.keys[layer_idx], self.values[layer_idx], layout, scaling)
 
     def _fit(self, layer_idx: int) -> None:
         """Grow a layer's pool to the blocks handed out (a copy, amortised: growth is by an eighth)."""
@@ -286,9 +295,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
             "(`specserve_batch`): the model must pass its forward's keyword arguments down to attention")
     batch = batch.on(query.device)
     cache = batch.cache
-    k_pool, v_pool = cache.keys[module.layer_idx], cache.values[module.layer_idx]
     q = query[0].transpose(0, 1)  # [T, H, D]
-    return attention.attend(cache.attention, q, k_pool, v_pool, batch.layout, scaling)[None], None  # [1, T, H, D]
+    return cache.attend(module.layer_idx, q, batch.layout, scaling)[None], None  # [1, T, H, D]
 
 
 AttentionInterface.register(ATTENTION, paged_attention)

@@ -155,6 +155,12 @@ class FusedLinears:
         return torch.cat([lin.bias.detach() if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
                           for lin in self.linears])
 
+    def whole(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., sum of outs]
+        """Every sibling's output side by side, in one product (the plain modules' three when unpackable)."""
+        if _plain_path(x, self.linears[0].weight):
+            return torch.cat([lin(x) for lin in self.linears], dim=-1)
+        return _linear(x, self.packs.get([m.weight for m in self.linears]), self._bias())
+
     def part(self, i: int, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out_i]
         lin = self.linears[i]
         if _plain_path(x, lin.weight):

@@ -33,7 +33,7 @@ from serve_app.models import held_dtype
 from serve_app.engine.controls import Controls, has_controls
 from serve_app.engine.draftplan import DraftPlan, PlanWalk
 from serve_app.engine.grammar import Guide
-from serve_app.engine import allocator, attention, packing
+from serve_app.engine import allocator, attention, lean, packing
 from serve_app.engine.kv import (ATTENTION, PagedKV, attention_layers, cuda_memory, kv_bytes_per_token, kv_pool_tokens,
                                 pack)
 from serve_app.engine.history import PROMPT_TAIL, LiveOutputs, SuffixHistory, history_estimate
@@ -155,6 +155,8 @@ class ModelWorker:
         self.top_n = TOP_N
         self.timings = new_timings()
         self.head = plain_head(model)
+        self.lean = lean.supports(model)
+        """Forwards run `lean.forward` (a stock Llama decoder) instead of transformers' wrapped one."""
         self.flush_denormals = self.device.type == "cpu"
         self.tokenizer = None  # for structured outputs (grammar masks need the vocabulary's strings)
         self.prompt_lookup = False
@@ -511,8 +513,9 @@ class ModelWorker:
                 self._captured[i] = args[0] if args else kwargs["hidden_states"]
             return grab
 
-        for i in layers:
-            (decoder.layers[i] if i < n else decoder.norm).register_forward_pre_hook(hook(i), with_kwargs=True)
+        if not self.lean:  # the lean forward fills _captured itself
+            for i in layers:
+                (decoder.layers[i] if i < n else decoder.norm).register_forward_pre_hook(hook(i), with_kwargs=True)
         self.feature_layers = list(layers)
 
     def _features(self, ids: list[str], fed: list[int], final: list[int], accepted: list[int]) -> list[torch.Tensor]:
@@ -601,13 +604,21 @@ class ModelWorker:
         ids, pos, batch = pack(self.cache, seq_ids, fed, starts, self.device)
         index = index.to(self.device)
         self.cache.batch, self._slots = batch, batch.slots
-        args = dict(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True,
-                    specserve_batch=batch)
-        with paged_attention(self.model):
-            if hidden:
-                out = self.model.model(**args).last_hidden_state[0, index]
-            else:
-                out = self.model(**args, logits_to_keep=index).logits[0]
+        if self.lean:
+            capture = dict.fromkeys(self.feature_layers) if self.feature_layers else None
+            out = lean.forward(self.model, ids[0], pos[0], batch, index, capture)
+            if capture:
+                self._captured.update({i: h[None] for i, h in capture.items()})
+            if not hidden:
+                out = self.model.lm_head(out)
+        else:
+            args = dict(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True,
+                        specserve_batch=batch)
+            with paged_attention(self.model):
+                if hidden:
+                    out = self.model.model(**args).last_hidden_state[0, index]
+                else:
+                    out = self.model(**args, logits_to_keep=index).logits[0]
         self.cache.batch = None
         self._sync()
         self.timings["forward_s"] += time.perf_counter() - t0

@@ -1,0 +1,54 @@
+"""The project's C kernels (`bf16_linear.c`, `paged_attention.c`): compiled on first use with the machine's C
+compiler (`cc`, about a second each) into $SPECSERVE_CACHE/kernels, keyed by the source's hash and flags, and
+loaded with ctypes (whose calls release the GIL). Without a compiler a kernel is unavailable and its caller
+takes torch's path."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+"""-ffp-contract=off: no FMA a source does not write (each kernel's sums are the ones it spells out)."""
+
+
+def load(source: Path) -> ctypes.CDLL | None:
+    """The compiled `source` (built now if this cache has no copy), or None where it cannot be built."""
+    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    name = f"{source.stem}-{digest}.so"
+    from serve_app.models import cache_root  # models loads the kernels lazily, in turn
+
+    for where in (cache_root() / "kernels", Path(tempfile.gettempdir()) / "specserve-kernels"):  # a read-only home: /tmp
+        target = where / name
+        try:
+            if not target.exists() and not _build(source, target):
+                return None
+        except OSError as e:
+            log.warning("%s: cannot write %s (%s)", source.name, where, e)
+            continue
+        return ctypes.CDLL(str(target))  # after torch: its libgomp.so.1 is the OpenMP runtime both use
+    return None
+
+
+def _build(source: Path, target: Path) -> bool:
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        log.warning("no C compiler for %s: torch's path instead", source.name)
+        return False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed: concurrent builders race safely
+        out = Path(tmp) / target.name
+        done = subprocess.run([cc, *FLAGS, str(source), "-o", str(out)], capture_output=True, text=True)
+        if done.returncode != 0:
+            log.warning("%s did not compile (%s): torch's path instead\n%s", source.name, cc, done.stderr[-2000:])
+            return False
+        os.replace(out, target)
+    return True

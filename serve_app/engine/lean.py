@@ -1,0 +1,79 @@
+"""A Llama decoder's packed forward over the paged pool, without transformers' per-layer wrappers.
+
+transformers runs a decoder layer through several wrappers (output recording, keyword deprecation,
+gradient-checkpointing dispatch, a causal-mask builder, the attention-interface lookup) and applies
+rotary embeddings to queries and keys as a dozen small ops each. At batch 1 on a CPU those add up to
+about as much time as the layer's matmuls. This forward calls the same modules for what carries
+weights (norms, projections, MLP) and does the rest in few ops: one rotary for queries and keys
+together, keys and values written straight into the pool, attention by the pool's backend.
+
+Exact: the arithmetic is the model's own op for op (norms and MLP are its modules; rotary is
+`x * cos + rotate_half(x) * sin` with rotate_half's negation moved onto sin, which IEEE rounding
+leaves bit for bit the same), so outputs equal the wrapped forward's in any dtype.
+
+Only plain Llama decoders take this path (`supports`): a model with anything else in its layers
+(query/key norms, sliding windows, biases it adds elsewhere) runs transformers' forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.models.llama import modeling_llama as llama
+
+from serve_app.engine.packing import FusedPart
+
+
+def supports(model) -> bool:
+    """model is a transformers Llama causal LM whose layers are the stock Llama modules."""
+    decoder = getattr(model, "model", None)
+    if type(model) is not llama.LlamaForCausalLM or type(decoder) is not llama.LlamaModel:
+        return False
+    if len(decoder.layers) != model.config.num_hidden_layers:
+        return False
+    if len({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}) > 1:
+        return False  # split over devices: accelerate's hooks on each layer move its inputs
+    return all(type(layer) is llama.LlamaDecoderLayer and type(layer.self_attn) is llama.LlamaAttention
+               and type(layer.mlp) is llama.LlamaMLP for layer in decoder.layers)
+
+
+def forward(model, ids: torch.Tensor, pos: torch.Tensor, batch, index: torch.Tensor,  # ids, pos [T]; index [N]
+            capture: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
+    """The final-norm hidden states [N, hidden] of the packed tokens at `index` (pos: their positions;
+    batch: `kv.pack`'s PackedBatch, whose slots receive this forward's keys and values). capture: layer
+    id -> filled with the residual stream entering that layer ([T, hidden]; the layer count: the last
+    layer's output, before the final norm)."""
+    decoder = model.model
+    cache = batch.cache
+    h = decoder.embed_tokens(ids)  # [T, hidden]
+    cos, sin = decoder.rotary_emb(h, pos[None])  # [1, T, D] each, in h's dtype
+    half = cos.shape[-1] // 2
+    cos = cos[0, :, None]  # [T, 1, D]
+    sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)[:, None]  # rotate_half's sign on sin
+    n_layers = len(decoder.layers)
+    for i, layer in enumerate(decoder.layers):
+        if capture is not None and i in capture:
+            capture[i] = h
+        h = h + _attention(layer.self_attn, layer.input_layernorm(h), cos, sin, half, batch, cache)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    if capture is not None and n_layers in capture:
+        capture[n_layers] = h
+    return decoder.norm(h[index])
+
+
+def _attention(attn, x: torch.Tensor, cos, sin, half: int, batch, cache) -> torch.Tensor:  # x [T, hidden]
+    t, d = x.shape[0], attn.head_dim
+    heads = attn.config.num_attention_heads
+    qkv = _qkv(attn, x).view(t, -1, d)  # [T, H + 2 KV, D]
+    kv_heads = (qkv.shape[1] - heads) // 2
+    qk = qkv[:, :heads + kv_heads]  # queries and keys: one rotary for both
+    qk = qk * cos + torch.cat([qk[..., half:], qk[..., :half]], dim=-1) * sin
+    cache.write(attn.layer_idx, qk[:, heads:], qkv[:, heads + kv_heads:], batch.slots)
+    out = cache.attend(attn.layer_idx, qk[:, :heads], batch.layout, attn.scaling)  # [T, H, D]
+    return attn.o_proj(out.reshape(t, heads * d))
+
+
+def _qkv(attn, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, (H + 2 KV) * D]
+    """The three projections side by side: one product when packing fused them, else three and a copy."""
+    if isinstance(attn.q_proj, FusedPart) and attn.q_proj.fused is getattr(attn.v_proj, "fused", None):
+        return attn.q_proj.fused.whole(x)
+    return torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)

@@ -1,0 +1,52 @@
+"""The lean Llama forward (engine/lean.py) gives the bits transformers' wrapped forward gives, features included,
+and only stock Llama decoders take it."""
+
+import copy
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from conftest import tiny_llama
+from serve_app.config import SamplingParams
+from serve_app.engine import lean
+from serve_app.engine.worker import ModelWorker
+
+
+def _steps(worker: ModelWorker, features: bool) -> list[torch.Tensor]:
+    """Logits (and captured features) of a prefill, a ragged verify-shaped forward and a decode, two rows."""
+    if features:
+        worker.capture_features([0, 1, 2])
+    p = SamplingParams(max_tokens=8, temperature=0)
+    worker.add(["a", "b"], [[5, 9, 13, 2, 7, 7, 31, 4, 8, 19, 3, 22, 40, 41, 6, 1, 17, 18], [3, 4]], [p, p])
+    outs = []
+    for fed in ([[5, 9, 13, 2, 7, 7, 31, 4, 8, 19, 3, 22, 40, 41, 6, 1, 17, 18], [3, 4]], [[11, 12, 13], [14]],
+                [[15], [16]]):
+        index = torch.arange(sum(len(f) for f in fed))
+        outs.append(worker._forward(["a", "b"], fed, index))
+        if features:
+            outs += [worker._captured.pop(i) for i in worker.feature_layers]
+        for sid, f in zip(["a", "b"], fed):
+            worker.seqs[sid].kv_len += len(f)
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("features", [False, True], ids=["logits", "features"])
+def test_lean_forward_is_bit_for_bit_the_wrapped_one(dtype, features):
+    model = tiny_llama(64, layers=2, dtype=dtype, seed=4)
+    fast, slow = ModelWorker(model, "target"), ModelWorker(copy.deepcopy(model), "target")
+    assert fast.lean and slow.lean
+    slow.lean = False
+    for a, b in zip(_steps(fast, features), _steps(slow, features)):
+        assert torch.equal(a, b)
+
+
+def test_only_stock_llama_decoders_go_lean():
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
+    assert not lean.supports(Qwen3ForCausalLM(cfg))  # query/key norms in its attention
+    llama = tiny_llama(64, layers=2)
+    assert lean.supports(llama)
+    llama.model.layers[1].self_attn = torch.nn.Identity()
+    assert not lean.supports(llama)
