@@ -222,7 +222,7 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/bench-predicted-<hardware type>)")
     bp.set_defaults(func=_cmd_bench_predicted)
 
-    ba = bsub.add_parser("attention", help="attention backends (gather, flex) on one layer's paged pool: ms per call, "
+    ba = bsub.add_parser("attention", help="attention backends (gather, its SDPA-only path, flex) on one layer's paged pool: ms per call, "
                                            "speed-up over gather, output difference")
     ba.add_argument("--cases", default="cpu", choices=["quick", "cpu", "gpu"],
                     help="quick: 4 x 256; cpu: 16 x 1k context; gpu: 32-64 x 2-8k (default cpu)")

@@ -140,3 +140,12 @@ def test_the_c_kernel_is_batch_invariant():
     mine = slice(rows[2].offset, rows[2].offset + rows[2].n)
     one = attention.attend("gather", q[mine], kp, vp, attention.layout("gather", [alone], pos[mine], bs, nblk), None)
     assert torch.equal(one, both[mine])
+
+
+@needs_kernel
+def test_bench_attention_times_the_kernel_against_sdpa_on_the_copy():
+    from serve_app.bench.attention import run_case
+
+    r = run_case(2, 48, 3, "smollm2-135m", "cpu", torch.float32, rounds=1, backends=("gather", "gather-sdpa"))
+    assert r["backends"]["gather-sdpa"]["max_abs_diff"] < 1e-5
+    assert attention.KERNEL_ON  # back on after the baseline's calls

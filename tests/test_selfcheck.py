@@ -34,7 +34,7 @@ def test_quick_cpu_campaign_passes_without_ray_or_matplotlib(tmp_path):
     md = stem.with_suffix(".md").read_text()
     assert "| greedy | PASS |" in md and "All checks passed." in md
     bench = json.loads((tmp_path / "selfcheck-cpu-attention.json").read_text())
-    assert {b for c in bench["cases"] for b in c["backends"]} == {"gather", "flex"}
+    assert {b for c in bench["cases"] for b in c["backends"]} == {"gather", "gather-sdpa", "flex"}
     assert all(b["max_abs_diff"] < 1e-4 for c in bench["cases"] for b in c["backends"].values())
     campaign = json.loads((tmp_path / "selfcheck-cpu-campaign.json").read_text())
     grid = campaign["profile"]["latency"]

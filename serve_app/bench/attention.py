@@ -6,7 +6,9 @@ median and spread of one layer's attention call over interleaved rounds, its spe
 baseline, run in the same rounds), and the largest difference from gather's output. flex runs compiled
 (`torch.compile(flex_attention)`, on a CPU too: the eager path is a dense reference only) and its
 compile time is reported apart. flex's block mask is built once per forward, at its first layer, and
-reused by the others, so a layer's call here reuses it too. Only torch: runs on a GPU machine as is.
+reused by the others, so a layer's call here reuses it too. gather-sdpa is gather without its C kernel
+(`attention.KERNEL_ON` off): SDPA on the gathered copy for every row, what the kernel replaces on a CPU.
+Only torch and a C compiler: runs on a GPU machine as is (there gather-sdpa and gather are the same).
 """
 
 from __future__ import annotations
@@ -35,8 +37,21 @@ def _timed(fn, sync) -> float:
     return time.perf_counter() - t
 
 
+BACKENDS = (*attention.BACKENDS, "gather-sdpa")
+
+
+def _attend(b: str, q, kp, vp, lay):
+    if b != "gather-sdpa":
+        return attention.attend(b, q, kp, vp, lay, None)
+    attention.KERNEL_ON = False
+    try:
+        return attention.attend("gather", q, kp, vp, lay, None)
+    finally:
+        attention.KERNEL_ON = True
+
+
 def run_case(rows: int, context: int, fed: int, shape: str, device: str, dtype: torch.dtype, rounds: int,
-             backends=attention.BACKENDS) -> dict:
+             backends=BACKENDS) -> dict:
     heads, kv_heads, head_dim = SHAPES[shape]
     q, kp, vp, rws, pos, bs, nblk = attention.random_batch([(context - fed, fed)] * rows, heads, kv_heads, head_dim,
                                                            seed=rows + context)
@@ -44,8 +59,8 @@ def run_case(rows: int, context: int, fed: int, shape: str, device: str, dtype: 
     sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
     fns, out, compile_s = {}, {}, {}
     for b in backends:
-        lay = attention.move(attention.layout(b, rws, pos, bs, nblk), device)
-        fns[b] = lambda b=b, lay=lay: attention.attend(b, q, kp, vp, lay, None)
+        lay = attention.move(attention.layout(b.removesuffix("-sdpa"), rws, pos, bs, nblk), device)
+        fns[b] = lambda b=b, lay=lay: _attend(b, q, kp, vp, lay)
         compile_s[b] = _timed(lambda b=b: out.__setitem__(b, fns[b]()), sync)  # first call: compiles flex
     times = {b: [] for b in backends}
     for r in range(rounds):
@@ -70,11 +85,13 @@ def bench_attention(cases: str, shape: str, device: str, dtypes: list[str], roun
              "Command: `specserve bench attention " + f"--cases {cases} --shape {shape} --device {device} "
              f"--dtypes {','.join(dtypes)} --rounds {rounds}`. Median ms (min-max) per call; speed-up over gather "
              "in the same rounds; flex compiled (first-call time includes compiling).", "",
-             "| rows x context, fed | dtype | gather ms | flex ms | flex vs gather | flex first call s | max diff |",
-             "|---|---|---|---|---|---|---|"]
+             "| rows x context, fed | dtype | gather ms | gather-sdpa ms | flex ms | gather-sdpa vs gather "
+             "| flex vs gather | flex first call s | max diff |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        g, f = r["backends"]["gather"], r["backends"]["flex"]
-        lines.append(f"| {r['rows']} x {r['context']}, {r['fed']} | {r['dtype']} | {g['median_ms']:.2f} "
-                     f"({g['min_ms']:.2f}-{g['max_ms']:.2f}) | {f['median_ms']:.2f} ({f['min_ms']:.2f}-{f['max_ms']:.2f}) "
-                     f"| {f['speedup_vs_gather']:.2f}x | {f['first_call_s']:.1f} | {f['max_abs_diff']:.1e} |")
+        g, f, sd = r["backends"]["gather"], r["backends"]["flex"], r["backends"]["gather-sdpa"]
+        span = lambda x: f"{x['median_ms']:.2f} ({x['min_ms']:.2f}-{x['max_ms']:.2f})"  # noqa: E731
+        lines.append(f"| {r['rows']} x {r['context']}, {r['fed']} | {r['dtype']} | {span(g)} | {span(sd)} | {span(f)} "
+                     f"| {sd['speedup_vs_gather']:.2f}x | {f['speedup_vs_gather']:.2f}x | {f['first_call_s']:.1f} "
+                     f"| {max(f['max_abs_diff'], sd['max_abs_diff']):.1e} |")
     return {"shape": shape, "device": device, "rounds": rounds, "cases": results}, "\n".join(lines) + "\n"

@@ -155,9 +155,14 @@ def _kernel() -> ctypes.CDLL | None:
     return lib
 
 
+KERNEL_ON = True
+"""gather's short rows go to the C kernel where it runs (`specserve bench attention` turns it off for its
+baseline: SDPA on the gathered copy)."""
+
+
 def _kernel_fits(q, k_pool, v_pool, g: Group) -> bool:
     """A group of short rows (not a prompt's plain-causal chunk) on the CPU in float32: the C kernel's."""
-    return g.spans is not None and g.q_index.shape[1] <= SHORT_ROW and q.device.type == "cpu" \
+    return KERNEL_ON and g.spans is not None and g.q_index.shape[1] <= SHORT_ROW and q.device.type == "cpu" \
         and q.dtype == k_pool.dtype == v_pool.dtype == torch.float32 and q.stride(2) == 1 \
         and k_pool.is_contiguous() and v_pool.is_contiguous() and q.shape[2] % 8 == 0 and _kernel() is not None
 
