@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 
 from serve_app.engine import ckernels
-from serve_app.hardware import cpu_flags
 from serve_app.pricing import pad_groups
 
 log = logging.getLogger(__name__)
@@ -144,15 +143,10 @@ KERNEL = Path(__file__).with_name("paged_attention.c")
 def _kernel() -> ctypes.CDLL | None:
     """`paged_attention.c`, where this CPU runs it (AVX2 and FMA, a C compiler) and SPECSERVE_ATTENTION_KERNEL
     is not 0."""
-    if os.environ.get("SPECSERVE_ATTENTION_KERNEL", "1") == "0" or not {"avx2", "fma"} <= cpu_flags():
-        return None
-    lib = ckernels.load(KERNEL)
-    if lib is not None:
-        c_long, ptr = ctypes.c_long, ctypes.c_void_p
-        lib.paged_attention.argtypes = [ptr, c_long, c_long, ptr, ptr, ptr, c_long, ptr, c_long, c_long, c_long, c_long,
-                                        c_long, ctypes.c_float, ptr, ctypes.c_int]
-        lib.paged_attention.restype = None
-    return lib
+    c_long, ptr = ctypes.c_long, ctypes.c_void_p
+    return ckernels.kernel(KERNEL, "SPECSERVE_ATTENTION_KERNEL", {"paged_attention": [
+        ptr, c_long, c_long, ptr, ptr, ptr, c_long, ptr, c_long, c_long, c_long, c_long, c_long, ctypes.c_float, ptr,
+        ctypes.c_int]})
 
 
 KERNEL_ON = True

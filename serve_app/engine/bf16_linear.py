@@ -9,36 +9,29 @@ kernel here widens each weight to float32 in registers: 0.38-0.46x oneDNN's pack
 8 rows, 0.51-0.76x from 16 to 64 (`specserve bench linears`; figures in the C file).
 
 It is compiled on first use with the machine's C compiler (`ckernels`); without a compiler, AVX2 or FMA,
-`available()` is False: `auto` is float32 there and a bfloat16 model runs in bfloat16, as before. Outputs are batch-invariant:
-a row's result does not depend on the other rows (see the C file).
+`available()` is False: `auto` is float32 there and a bfloat16 model runs in bfloat16, as before. Outputs are
+batch-invariant: a row's result does not depend on the other rows (see the C file).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from serve_app.engine import ckernels
-from serve_app.hardware import cpu_flags
 
 SOURCE = Path(__file__).with_suffix(".c")
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("SPECSERVE_BF16_KERNEL", "1") == "0" or not {"avx2", "fma"} <= cpu_flags():
-        return None
-    lib = ckernels.load(SOURCE)
-    if lib is not None:
-        c_long, ptr = ctypes.c_long, ctypes.c_void_p
-        lib.bf16_linear.argtypes = [ptr, c_long, c_long, c_long, ptr, c_long, ptr, ptr, c_long, ctypes.c_int]
-        lib.bf16_linear.restype = None
-    return lib
+    c_long, ptr = ctypes.c_long, ctypes.c_void_p
+    return ckernels.kernel(SOURCE, "SPECSERVE_BF16_KERNEL",
+                           {"bf16_linear": [ptr, c_long, c_long, c_long, ptr, c_long, ptr, ptr, c_long, ctypes.c_int]})
 
 
 def available() -> bool:

@@ -20,6 +20,21 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "
 """-ffp-contract=off: no FMA a source does not write (each kernel's sums are the ones it spells out)."""
 
 
+def kernel(source: Path, switch: str, signatures: dict[str, list]) -> ctypes.CDLL | None:
+    """The compiled `source` with each function's argument types set (`signatures`: name -> ctypes types), where
+    this CPU runs it (AVX2 and FMA, which FLAGS compile for) and the environment variable `switch` is not 0."""
+    from serve_app.hardware import cpu_flags
+
+    if os.environ.get(switch, "1") == "0" or not {"avx2", "fma"} <= cpu_flags():
+        return None
+    lib = load(source)
+    if lib is not None:
+        for name, args in signatures.items():
+            getattr(lib, name).argtypes = args
+            getattr(lib, name).restype = None
+    return lib
+
+
 def load(source: Path) -> ctypes.CDLL | None:
     """The compiled `source` (built now if this cache has no copy), or None where it cannot be built."""
     digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
