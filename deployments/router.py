@@ -68,8 +68,9 @@ class Router:
         self.pg = self._placement_group()
         self.actors = [self._start_worker(i) for i in range(len(self.roles))]
         self.actor_names = [self._names[i] for i in range(len(self.roles))]
-        target = RemoteWorker(self.actors[0], self.group.call_timeout_s)
-        draft = RemoteWorker(self.actors[1], self.group.call_timeout_s) if has_draft else None
+        target = RemoteWorker(self.actors[0], self.group.call_timeout_s, channel=self.group.channel)
+        draft = RemoteWorker(self.actors[1], self.group.call_timeout_s, channel=self.group.channel) if has_draft else None
+        target.features_to = lambda: self.engine.draft
         await asyncio.gather(*(a.start.remote() for a in self.actors))  # ready only once both models loaded
         info = await self.actors[0].call.remote("info")
         self.gpu_type = self.group.gpu_type or info["gpu_type"]
@@ -122,7 +123,8 @@ class Router:
         the hops (Ray's calls there and back), the Router's own work in the step, and the gap between steps
         (streaming the outputs, the hop to the step's thread)."""
         split, self.split = self.split, self.new_split()
-        workers = await asyncio.gather(*(a.take_timings.remote() for a in self.actors), return_exceptions=True)
+        workers = await asyncio.gather(*(asyncio.to_thread(self._worker(i).take_timings) for i in range(len(self.roles))),
+                                       return_exceptions=True)
         n = max(1, split["steps"])
         ms = lambda s: round(1e3 * s / n, 2)
         out = {"steps": split["steps"], "tokens": split["tokens"],
@@ -233,12 +235,20 @@ class Router:
     def _bring_draft_back(self, engine: Engine, t0: float) -> None:
         try:
             self._ready(1, t0)
-            engine.attach_draft(RemoteWorker(self.actors[1], self.group.call_timeout_s))
+            engine.attach_draft(RemoteWorker(self.actors[1], self.group.call_timeout_s, channel=self.group.channel))
         except Exception:
             log.exception("replacement draft worker failed to start; decoding without speculation")
             self.repair_failures += 1
         finally:
             self.starting.discard(1)
+
+    def _worker(self, i: int) -> RemoteWorker:
+        """The engine's proxy of worker i (0 target, 1 draft): calls to a worker go through it (its channel holds
+        the worker's model thread); a draft being replaced has none (raises)."""
+        worker = self.engine.target if i == 0 else self.engine.draft
+        if worker is None:
+            raise RuntimeError(f"the {self.roles[i]} worker is being replaced")
+        return worker
 
     async def _fetch_profile(self) -> tuple[int, Profile | None]:
         if self.store is None:
@@ -607,15 +617,15 @@ class Router:
         (`deployments.history_store`). A new draft (started, or replaced after dying) holds none: it pulls all."""
         if len(self.actors) < 2 or 1 in self.starting:
             return
-        draft = self.actors[1]
-        if draft is not self.history_draft:
-            self.history = await draft.call.remote("history_stats")
-            self.history_draft, self.history_seen = draft, (None, 0)
+        draft = self._worker(1)  # its calls go where the engine's go (the draft's channel), between the steps' calls
+        if self.actors[1] is not self.history_draft:
+            self.history = await asyncio.to_thread(draft.call, "history_stats")
+            self.history_draft, self.history_seen = self.actors[1], (None, 0)
         if self.history is None:  # a draft without a history (off, or an n-gram draft)
             return
         if self.history_store is not None:
             me = serve.get_replica_context().replica_id.unique_id
-            mine = await draft.call.remote("take_history")
+            mine = await asyncio.to_thread(draft.call, "take_history")
             if mine:
                 await self.history_store.push.remote(me, mine)
             # a draft that never pulled (new, or replaced after dying) holds none of this replica's earlier outputs
@@ -623,13 +633,13 @@ class Router:
             asker = me if self.history_seen[0] is not None else None
             epoch, last, docs, restore = await self.history_store.pull.remote(asker, self.history_seen[1], self.history_seen[0])
             if restore:  # the store restarted empty: this draft's copy of what it held refills it
-                held = await draft.call.remote("export_history")
+                held = await asyncio.to_thread(draft.call, "export_history")
                 await self.history_store.restore.remote(me, held)
                 log.info("the shared suffix history restarted: restored %d outputs from this replica", len(held))
             if docs:
-                await draft.call.remote("add_history", docs)
+                await asyncio.to_thread(draft.call, "add_history", docs)
             self.history_seen = (epoch, last)
-        self.history = h = await draft.call.remote("history_stats")
+        self.history = h = await asyncio.to_thread(draft.call, "history_stats")
         self.m_history_tokens.set(h["tokens"])
         self.m_history_hits.set(h["hits"] / h["lookups"] if h["lookups"] else 0.0)
 

@@ -143,7 +143,8 @@ def _parser() -> argparse.ArgumentParser:
     bs.add_argument("--warmup", type=int, default=2, help="untimed steps per cell first (the first prefills)")
     bs.add_argument("--prompt-tokens", type=int, default=128, help="tokens per (random) prompt")
     bs.add_argument("--peaked", type=float, default=8.0, help="logit standard deviation of the random heads (0: as initialised)")
-    bs.add_argument("--runs", default="inprocess,ray", help="inprocess and ray (interleaved cell by cell), and serve "
+    bs.add_argument("--runs", default="inprocess,ray", help="inprocess, ray (the workers' channels) and ray-calls (Ray "
+                                                          "task calls), interleaved cell by cell; and serve "
                                                           "(the models behind `specserve serve`, streamed by a client)")
     bs.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     bs.add_argument("--device", default="cpu")

@@ -193,7 +193,9 @@ def test_concurrent_requests_are_batched_on_both_groups_each_with_its_own_k(serv
     assert a["kv_pool"] == b["kv_pool"] == {"tokens": 65536, "from": "max_num_tokens", "rooms": [], "attention": "gather"}
     assert all(ray.get_actor(name) for name in a["actors"] + b["actors"])
     # CPU model actors start with malloc keeping freed memory (serve_app.engine.allocator)
-    envs = ray.get([ray.get_actor(name).__ray_call__.remote(lambda _: dict(os.environ)) for name in a["actors"]])
+    # (read from /proc: their model threads answer only the Router's channel, `pid` has a thread of its own)
+    pids = ray.get([ray.get_actor(name).pid.remote() for name in a["actors"]])
+    envs = [dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v) for pid in pids]
     assert all(e["MALLOC_ARENA_MAX"] == "1" and e["MALLOC_MMAP_THRESHOLD_"] == str(1 << 30) for e in envs)
 
 
@@ -234,6 +236,8 @@ def test_held_back_calls_ride_with_the_next_call_in_order_and_raise_there(servic
 
     @ray.remote(num_cpus=0, resources={"head": 0.001}, max_concurrency=1)
     class Log:
+        _arg = _ModelHost._arg
+
         def __init__(self):
             self.seen, self.trips = [], 0
             self.call_s = self.calls_made = 0
@@ -250,7 +254,7 @@ def test_held_back_calls_ride_with_the_next_call_in_order_and_raise_there(servic
             return _ModelHost.calls(self, batch)
 
     actor = Log.remote()
-    w = RemoteWorker(actor, 30)
+    w = RemoteWorker(actor, 30, channel=False)  # the queue is the same over a channel (test_channel_*)
     n = RemoteWorker.MAX_QUEUED + 3
     for i in range(n):
         w.commit([f"r{i}"], [[i]], ray.put(i) if i == 0 else None)
@@ -264,6 +268,34 @@ def test_held_back_calls_ride_with_the_next_call_in_order_and_raise_there(servic
     w.reset()  # drops it; the actor carries on
     assert w.info()[0][-1] == ("reset",)
     ray.kill(actor)
+
+
+def test_channel_answers_like_ray_calls_and_a_dead_worker_raises_at_once(service):
+    """Over a worker's channel: a call answers what the Ray call answers, an error the worker raised comes out
+    with its own type, the channel outlives a caller that closed it (the actor takes Ray calls meanwhile), and
+    a killed actor's next call raises RayActorError within seconds instead of waiting out the call timeout."""
+    from deployments.workers import RemoteWorker, TargetWorker
+
+    actor = TargetWorker.options(num_cpus=0, resources={"head": 0.001}).remote(service["model"], 1)
+    over_ray, w = RemoteWorker(actor, 60, channel=False), RemoteWorker(actor, 60, channel=True)
+    info = over_ray.info()  # first: while the channel is open, the model thread answers only it
+    assert w.info() == info
+    assert w.sock is not None and w.take_timings()["calls"] >= 1
+    with pytest.raises(AttributeError, match="no_such_method"):
+        w.call("no_such_method")
+    w.close()  # the actor's loop ends: Ray calls reach its model thread again, and the channel reopens on use
+    assert over_ray.info() == info
+    assert w.info() == info  # the channel again: killed with it open, as a crash would find it
+    pid = ray.get(actor.pid.remote())
+    ray.kill(actor)
+    for _ in range(120):  # Ray marks it dead first; its process exits soon after, closing the socket
+        if not Path(f"/proc/{pid}").exists():
+            break
+        time.sleep(0.5)
+    t = time.perf_counter()
+    with pytest.raises(ray.exceptions.RayActorError):
+        w.info()
+    assert time.perf_counter() - t < 30
 
 
 def test_roles_ray_cannot_place_fail_the_router_start_with_what_was_asked(service):
@@ -563,10 +595,13 @@ def test_a_replica_with_no_usable_profile_measures_one_at_startup_and_drafts_per
         serve.delete("startup")
 
 
-def test_eagle3_features_go_from_target_actor_to_draft_actor_directly(service, eagle_client):
+@pytest.mark.parametrize("channel", [True, False])
+def test_eagle3_features_go_from_target_actor_to_draft_actor_directly(service, eagle_client, channel):
     """Worker actors driven by an engine in this process, as a Router drives them: the target's features
-    reach the draft's actor as an object-store reference (counted there as direct bytes); what crosses
-    this process per step is token ids and a few numbers, and the text is the target's alone."""
+    reach the draft's actor directly (counted there as direct bytes), over the target's own connection to
+    the draft's channel (a tag crosses this process) or, over Ray calls, as an object-store reference; what
+    crosses this process per step is token ids and a few numbers, and the text is the target's alone."""
+    from deployments.channel import FeatureTag
     from deployments.workers import DraftWorker, RemoteWorker, TargetWorker
     from serve_app.config import EngineConfig, ModelConfig, SamplingParams
     from serve_app.engine.scheduler import Engine
@@ -575,7 +610,8 @@ def test_eagle3_features_go_from_target_actor_to_draft_actor_directly(service, e
 
     model = {**service["model"], "draft": str(service["root"] / "eagle3-head")}
     actors = [cls.options(num_cpus=0, resources={"head": 0.001}).remote(model, 1) for cls in (TargetWorker, DraftWorker)]
-    target, draft = (RemoteWorker(a, 60, count_bytes=True) for a in actors)
+    target, draft = (RemoteWorker(a, 60, count_bytes=True, channel=channel) for a in actors)
+    target.features_to = lambda: draft
     try:
         engine = Engine(target, draft, load_tokenizer(model["target"]), EngineConfig(policy="fixed:3", max_batch_size=4))
         steps = []
@@ -587,12 +623,13 @@ def test_eagle3_features_go_from_target_actor_to_draft_actor_directly(service, e
         crossed = target.bytes_sent + target.bytes_received + draft.bytes_sent + draft.bytes_received
         target.add(["x"], [[1, 2, 3]], [SamplingParams()])
         refs = target.verify(["x"], Proposal.empty(1)).features  # references, not data: decoding rows', chunks'
-        assert isinstance(refs, tuple) and all(isinstance(r, ray.ObjectRef) for r in refs)
+        assert isinstance(refs, tuple) and all(isinstance(r, FeatureTag if channel else ray.ObjectRef) for r in refs)
         alone = Engine.from_models(load_models(ModelConfig(target=model["target"], draft="none", dtype="float64")),
                                    EngineConfig(policy="none", max_batch_size=4))
         ref = [alone.submit(r.prompt_ids, r.params) for r in reqs]
         alone.run(ref)
         # each model loaded on the thread its calls run on (one OpenMP pool: workers._ModelHost), not Ray's main one
+        target.close(), draft.close()  # out of their channels: Ray calls reach the model threads again
         threads = ray.get([a.__ray_call__.remote(lambda host: (host.load_thread, threading.get_ident(),
                                                                threading.main_thread().ident)) for a in actors])
     finally:

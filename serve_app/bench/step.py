@@ -15,9 +15,10 @@ one decode step of the whole batch. Per timed step:
   actors, plus what one worker handed another directly (EAGLE-3 features);
 - tokens per step per sequence.
 
-Runs: `inprocess` (the engine over two local workers, as `specserve generate` runs) and `ray` (the
-same engine over TargetWorker/DraftWorker actors through RemoteWorker, as a Router runs it). With
-both, every (batch, mix) cell runs on both sides at once and their timed steps alternate, so a slow
+Runs: `inprocess` (the engine over two local workers, as `specserve generate` runs), `ray` (the
+same engine over TargetWorker/DraftWorker actors through RemoteWorker, as a Router runs it: the workers'
+channels) and `ray-calls` (the same over Ray task calls). With
+two or more, every (batch, mix) cell runs on both sides at once and their timed steps alternate, so a slow
 spell of a shared machine hits both alike; the ray/in-process ratio of the outside time, taken per
 pair of steps run back to back, is the price of the actor boundary. Models are random and peaked (shapes.py), so an independent
 draft's tokens are rejected: one token per step, the same work at every step.
@@ -55,7 +56,7 @@ MIXES: dict[str, dict] = {
     "logprobs": {"logprobs": 5},  # greedy + the top 5 alternatives of every emitted token
 }
 """Request mixes: every request of a cell gets these sampling settings."""
-RUNS = ("inprocess", "ray", "serve")
+RUNS = ("inprocess", "ray", "ray-calls", "serve")
 
 
 class StepBench(BaseModel):
@@ -182,10 +183,11 @@ def inprocess_side(cfg: StepBench, models: StepModels):
 
 
 @contextlib.contextmanager
-def ray_side(cfg: StepBench, models: StepModels, call_timeout_s: float = 600.0):
+def ray_side(cfg: StepBench, models: StepModels, call_timeout_s: float = 600.0, channel: bool = True):
     """The engine here over TargetWorker/DraftWorker actors, as a Router runs it: the models are saved
-    to a temporary directory and each actor loads its own from there. Starts a local Ray if none runs
-    (and stops it afterwards)."""
+    to a temporary directory and each actor loads its own from there; its calls over the workers' channels
+    (`ray`) or as Ray task calls (`ray-calls`, channel False). Starts a local Ray if none runs (and stops it
+    afterwards)."""
     import ray
 
     from deployments.workers import DraftWorker, RemoteWorker, TargetWorker
@@ -206,9 +208,10 @@ def ray_side(cfg: StepBench, models: StepModels, call_timeout_s: float = 600.0):
                   for cls in (TargetWorker, DraftWorker)]
         try:
             ray.get([a.start.remote() for a in actors], timeout=call_timeout_s)  # both models loaded
-            target, draft = (RemoteWorker(a, call_timeout_s, count_bytes=True) for a in actors)
+            target, draft = (RemoteWorker(a, call_timeout_s, count_bytes=True, channel=channel) for a in actors)
+            target.features_to = lambda: draft
             engine = Engine(target, draft, models.tokenizer, _engine_config(cfg), FixedK(cfg.k))
-            yield Side("ray", engine, [target, draft], [target, draft])
+            yield Side("ray" if channel else "ray-calls", engine, [target, draft], [target, draft])
         finally:
             for a in actors:
                 ray.kill(a)
@@ -321,11 +324,11 @@ def measure(sides: list[Side], cfg: StepBench) -> list[dict]:
             samples = measure_cell(sides, cfg, batch, mix, cfg.steps)
             cell_rows = [_row(side, cfg, batch, mix, ss) for side, ss in zip(sides, samples)]
             names = [side.name for side in sides]
-            if "inprocess" in names and "ray" in names:
-                base, ray = samples[names.index("inprocess")], samples[names.index("ray")]
-                cell_rows[names.index("ray")]["outside_ratio"] = summary(
+            for name in [n for n in ("ray", "ray-calls") if n in names and "inprocess" in names]:
+                base, ray = samples[names.index("inprocess")], samples[names.index(name)]
+                cell_rows[names.index(name)]["outside_ratio"] = summary(
                     [r["outside_s"] / b["outside_s"] for r, b in zip(ray, base) if b["outside_s"] > 0])
-                cell_rows[names.index("ray")]["step_ratio"] = summary([r["step_s"] / b["step_s"] for r, b in zip(ray, base)])
+                cell_rows[names.index(name)]["step_ratio"] = summary([r["step_s"] / b["step_s"] for r, b in zip(ray, base)])
             rows += cell_rows
             bar.update(1)
     return rows
@@ -350,15 +353,15 @@ def bench_step(cfg: StepBench, runs: list[str] = RUNS) -> tuple[dict, str]:
     bad = [r for r in runs if r not in RUNS]
     if bad or not runs:
         raise ValueError(f"unknown run(s) {bad}: use inprocess, ray and/or serve")
-    if {"ray", "serve"} & set(runs) and importlib.util.find_spec("ray") is None:
+    if {"ray", "ray-calls", "serve"} & set(runs) and importlib.util.find_spec("ray") is None:
         raise ValueError("the ray and serve runs need Ray, which is not installed here: --runs inprocess")
     models = build_models(cfg)
     engine_runs = [r for r in runs if r != "serve"]
     rows = []
     if engine_runs:
         with contextlib.ExitStack() as stack:
-            sides = [stack.enter_context(inprocess_side(cfg, models) if r == "inprocess" else ray_side(cfg, models))
-                     for r in engine_runs]
+            sides = [stack.enter_context(inprocess_side(cfg, models) if r == "inprocess"
+                                         else ray_side(cfg, models, channel=r == "ray")) for r in engine_runs]
             rows = measure(sides, cfg)
     serve_rows = []
     if "serve" in runs:  # after the others: its own service, on the whole machine
@@ -405,7 +408,7 @@ def step_markdown(res: dict) -> str:
              "ray / in-process ratio is per pair of steps taken back to back: median (range).", ""]
     for run in [r for r in res["runs"] if r != "serve"]:
         rows = [r for r in res["rows"] if r["run"] == run]
-        ray = run == "ray"
+        ray = run.startswith("ray")
         lines += [f"## {run}", "",
                   "| batch | mix | step ms | device forward ms | device other ms | outside ms | "
                   + ("KB crossed | " if ray else "") + "tokens/step | "
@@ -451,7 +454,7 @@ def plot_step(res: dict, path: str | Path) -> Path | None:
         for key, label, color in parts:
             vals = [max(by[(run, m)][key]["median"], 0.0) for m in mixes]
             ax.bar(xs, vals, width * 0.92, bottom=bottom, color=color, label=label if j == 0 else None,
-                   hatch="//" if run == "ray" else None, edgecolor="white")
+                   hatch="//" if run.startswith("ray") else None, edgecolor="white")
             bottom = [b + v for b, v in zip(bottom, vals)]
         for x, top in zip(xs, bottom):
             ax.text(x, top, f"{run}\n{top:.0f}", ha="center", va="bottom", fontsize=7)
