@@ -123,7 +123,8 @@ class Router:
         the hops (Ray's calls there and back), the Router's own work in the step, and the gap between steps
         (streaming the outputs, the hop to the step's thread)."""
         split, self.split = self.split, self.new_split()
-        workers = await asyncio.gather(*(asyncio.to_thread(self._worker(i).take_timings) for i in range(len(self.roles))),
+        workers = await asyncio.gather(*(asyncio.to_thread(self._worker(i).take_timings) if self.group.channel
+                                         else a.take_timings.remote() for i, a in enumerate(self.actors)),
                                        return_exceptions=True)
         n = max(1, split["steps"])
         ms = lambda s: round(1e3 * s / n, 2)
@@ -617,15 +618,19 @@ class Router:
         (`deployments.history_store`). A new draft (started, or replaced after dying) holds none: it pulls all."""
         if len(self.actors) < 2 or 1 in self.starting:
             return
-        draft = self._worker(1)  # its calls go where the engine's go (the draft's channel), between the steps' calls
+        if self.group.channel:  # its calls go where the engine's go (the draft's channel), between the steps' calls
+            worker = self._worker(1)
+            call = lambda *args: asyncio.to_thread(worker.call, *args)  # noqa: E731
+        else:
+            call = self.actors[1].call.remote
         if self.actors[1] is not self.history_draft:
-            self.history = await asyncio.to_thread(draft.call, "history_stats")
+            self.history = await call("history_stats")
             self.history_draft, self.history_seen = self.actors[1], (None, 0)
         if self.history is None:  # a draft without a history (off, or an n-gram draft)
             return
         if self.history_store is not None:
             me = serve.get_replica_context().replica_id.unique_id
-            mine = await asyncio.to_thread(draft.call, "take_history")
+            mine = await call("take_history")
             if mine:
                 await self.history_store.push.remote(me, mine)
             # a draft that never pulled (new, or replaced after dying) holds none of this replica's earlier outputs
@@ -633,13 +638,13 @@ class Router:
             asker = me if self.history_seen[0] is not None else None
             epoch, last, docs, restore = await self.history_store.pull.remote(asker, self.history_seen[1], self.history_seen[0])
             if restore:  # the store restarted empty: this draft's copy of what it held refills it
-                held = await asyncio.to_thread(draft.call, "export_history")
+                held = await call("export_history")
                 await self.history_store.restore.remote(me, held)
                 log.info("the shared suffix history restarted: restored %d outputs from this replica", len(held))
             if docs:
-                await asyncio.to_thread(draft.call, "add_history", docs)
+                await call("add_history", docs)
             self.history_seen = (epoch, last)
-        self.history = h = await asyncio.to_thread(draft.call, "history_stats")
+        self.history = h = await call("history_stats")
         self.m_history_tokens.set(h["tokens"])
         self.m_history_hits.set(h["hits"] / h["lookups"] if h["lookups"] else 0.0)
 
