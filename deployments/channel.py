@@ -31,9 +31,14 @@ class FeatureTag(NamedTuple):
     part: int
 
 
-def send(sock: socket.socket, obj) -> None:
+def encode(obj) -> bytes:
+    """One message: its length, then its pickle (what cannot be pickled raises here, before anything is sent)."""
     data = pickle.dumps(obj, protocol=5)
-    sock.sendall(HEADER.pack(len(data)) + data)
+    return HEADER.pack(len(data)) + data
+
+
+def send(sock: socket.socket, obj) -> None:
+    sock.sendall(encode(obj))
 
 
 def _read(sock: socket.socket, n: int) -> memoryview:

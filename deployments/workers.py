@@ -189,7 +189,7 @@ class _ModelHost:
                             op, args = channel.recv(router)
                         except (ConnectionError, OSError):
                             return  # the Router left: Ray calls reach the model thread again
-                        channel.send(router, self._answer(op, args))
+                        router.sendall(self._answer(op, args))
         finally:
             self.serving = False
             if router is not None:
@@ -197,19 +197,18 @@ class _ModelHost:
             sel.close()
             self.sel = None
 
-    def _answer(self, op: str, args: tuple) -> tuple:
+    def _answer(self, op: str, args: tuple) -> bytes:
+        """The encoded answer to one request: ("ok", result) or ("err", what it raised); what cannot be pickled
+        fails while encoding, as an error, never half a message."""
         ops = {"call": self.call, "calls": self.calls, "verify": self.verify, "kv_room": self.kv_room,
                "take_timings": self.take_timings, "peer": self._peer}
         try:
-            out = ("ok", ops[op](*args))
-            pickle.dumps(out, protocol=5)  # what cannot cross fails here, as an error, not half a message
-            return out
+            return channel.encode(("ok", ops[op](*args)))
         except Exception as e:
             try:
-                pickle.dumps(e, protocol=5)
-                return ("err", e)
+                return channel.encode(("err", e))
             except Exception:
-                return ("err", RuntimeError(f"{type(e).__name__}: {e}"))
+                return channel.encode(("err", RuntimeError(f"{type(e).__name__}: {e}")))
 
     def _peer(self, address: tuple[str, int] | None) -> None:
         """Target: send the features of each verification to the draft's channel at address (None: no draft)."""

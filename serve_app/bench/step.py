@@ -352,7 +352,7 @@ def bench_step(cfg: StepBench, runs: list[str] = RUNS) -> tuple[dict, str]:
     """Build the models once, run the chosen sides interleaved; returns (results, markdown report)."""
     bad = [r for r in runs if r not in RUNS]
     if bad or not runs:
-        raise ValueError(f"unknown run(s) {bad}: use inprocess, ray and/or serve")
+        raise ValueError(f"unknown run(s) {bad}: use inprocess, ray, ray-calls and/or serve")
     if {"ray", "ray-calls", "serve"} & set(runs) and importlib.util.find_spec("ray") is None:
         raise ValueError("the ray and serve runs need Ray, which is not installed here: --runs inprocess")
     models = build_models(cfg)
