@@ -53,6 +53,21 @@ LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 ITL_BUCKETS = [0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
 
 
+class HeldGauge(metrics.Gauge):
+    """A Ray gauge that remembers its last value per tag set, so the Router can set them again (`again`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.last: dict[tuple, float] = {}
+
+    def set(self, value, tags: dict | None = None) -> None:
+        self.last[tuple(sorted((tags or {}).items()))] = value
+        super().set(value, tags=tags)
+
+    def again(self) -> None:
+        for key, value in list(self.last.items()):  # list(): the step thread may add a tag set meanwhile
+            super().set(value, tags=dict(key) or None)
+
 @serve.deployment(max_ongoing_requests=4096, health_check_period_s=10, health_check_timeout_s=60,
                   ray_actor_options={"num_cpus": 0})
 class Router:
@@ -104,6 +119,7 @@ class Router:
         self.split = self.new_split()  # where the steps' time went since the last breakdown()
         self._poll_task: asyncio.Task | None = None
         self._metrics()
+        self._gauge_task = asyncio.get_running_loop().create_task(self._hold_gauges(), context=contextvars.Context())
         # the deployment's shared suffix history (`history_store`): what this replica's draft finished goes there,
         # what the others finished comes back; pulled once now so a new replica drafts warm from its first request
         self.history_store, self.history_seen, self.history_draft = history, (None, 0), None
@@ -357,25 +373,25 @@ class Router:
         self.m_latency = {"ttft": self.m_ttft, "itl": self.m_itl, "e2e": self.m_e2e, "queue": self.m_queue_time}
         self.m_tpot = metrics.Histogram("specserve_tpot_seconds", "Time per output token after the first.", boundaries=LATENCY_BUCKETS, tag_keys=tags)
         self.m_step = metrics.Histogram("specserve_step_seconds", "Engine step latency.", boundaries=LATENCY_BUCKETS, tag_keys=tags)
-        self.m_batch = metrics.Gauge("specserve_batch_size", "Sequences in the last engine step.", tag_keys=tags)
-        self.m_k = metrics.Gauge("specserve_speculation_k", "Speculation length chosen for the last step.", tag_keys=tags)
-        self.m_queue = metrics.Gauge("specserve_queue_depth", "Requests waiting for admission.", tag_keys=tags)
-        self.m_estimate = metrics.Gauge("specserve_acceptance_estimate",
+        self.m_batch = HeldGauge("specserve_batch_size", "Sequences in the last engine step.", tag_keys=tags)
+        self.m_k = HeldGauge("specserve_speculation_k", "Speculation length chosen for the last step.", tag_keys=tags)
+        self.m_queue = HeldGauge("specserve_queue_depth", "Requests waiting for admission.", tag_keys=tags)
+        self.m_estimate = HeldGauge("specserve_acceptance_estimate",
                                         "Live per-token draft acceptance estimate (what the adaptive policy steers by).",
                                         tag_keys=tags)
         self.m_recoveries = metrics.Counter("specserve_worker_recoveries", "Worker actors replaced after dying.",
                                             tag_keys=tags + ("role",))
         self.m_resumed = metrics.Counter("specserve_resumed_requests", "Requests resumed after a worker failure.",
                                          tag_keys=tags)
-        self.m_profile = metrics.Gauge("specserve_profile_info",
+        self.m_profile = HeldGauge("specserve_profile_info",
                                        "1 on the series of the kind of profile this group holds (measured, predicted, "
                                        "or none); 0 on the others.", tag_keys=tags + ("source",))
         self.m_source = metrics.Counter("specserve_draft_source_tokens",
                                         "Draft tokens by source (model, context: prompt lookup, history: earlier outputs) "
                                         "and outcome (proposed, accepted).", tag_keys=tags + ("source", "outcome"))
-        self.m_history_tokens = metrics.Gauge("specserve_history_tokens", "Tokens the draft's suffix history holds.",
+        self.m_history_tokens = HeldGauge("specserve_history_tokens", "Tokens the draft's suffix history holds.",
                                               tag_keys=tags)
-        self.m_history_hits = metrics.Gauge("specserve_history_hit_ratio",
+        self.m_history_hits = HeldGauge("specserve_history_hit_ratio",
                                             "Share of the suffix history's lookups that found a match (since its draft started).",
                                             tag_keys=tags)
         for m in (self.m_recoveries, self.m_resumed, self.m_requests, self.m_prompt, self.m_generated, self.m_proposed, self.m_accepted,
@@ -384,6 +400,18 @@ class Router:
                   self.m_source, self.m_history_tokens, self.m_history_hits):
             m.set_default_tags({"gpu_type": self.gpu_type, "group": self.group.name})
         self._profile_gauge()
+
+    GAUGE_HOLD_S = 1.0
+    """How often the gauges are set again with their last values: Ray's metrics agent drops a gauge series not
+    set for two export intervals (20 s by default, 2 s at the shortest), so without it an idle router's batch
+    size, k and queue depth would vanish from Prometheus between bursts."""
+
+    async def _hold_gauges(self) -> None:
+        gauges = [m for m in vars(self).values() if isinstance(m, HeldGauge)]
+        while True:
+            await asyncio.sleep(self.GAUGE_HOLD_S)
+            for g in gauges:
+                g.again()
 
     def profile_source(self) -> str:
         """`measured` or `predicted` (the profile held for this hardware type), `none` without one."""
