@@ -42,7 +42,7 @@ class GroupConfig(BaseModel):
     call_timeout_s: float = Field(120, gt=0)
     """A worker call slower than this fails the step instead of hanging: its requests are resumed on a
     replacement worker."""
-    channel: bool = False
+    channel: bool = True
     """True: the Router's calls to its workers over a TCP connection to each worker's model thread, the
     target's features to the draft over one of their own (deployments.channel: ~0.1 ms a call, where a Ray
     task call took 3-7 ms on 2 cores). False: as Ray task calls, the features through Ray's object store."""

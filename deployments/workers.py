@@ -303,7 +303,7 @@ class RemoteWorker:
     MAX_QUEUED = 8
     """Calls held back (`commit`, `prefill`) before they go on their own, in one round trip."""
 
-    def __init__(self, actor, timeout_s: float = 120.0, count_bytes: bool = False, channel: bool = False):
+    def __init__(self, actor, timeout_s: float = 120.0, count_bytes: bool = False, channel: bool = True):
         self._actor = actor
         self.timeout_s = timeout_s
         self.count_bytes = count_bytes
