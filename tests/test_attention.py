@@ -131,6 +131,21 @@ def test_the_c_kernel_reads_the_pool_as_sdpa_reads_the_copy(case, heads, kv_head
 
 
 @needs_kernel
+@pytest.mark.parametrize("case", ["decode", "verify-ragged"])
+def test_the_c_kernel_reads_a_bfloat16_pool_as_its_float32_copy(case):
+    """A bfloat16 model's pools read as they are, widened in registers: the same sums as the kernel on float32
+    copies of the same values, rounded once to bfloat16 (so no pool-sized float32 copy is needed)."""
+    spec = [(s + 16, n) for s, n in CASES[case]]
+    q, kp, vp, rows, pos, bs, nblk = attention.random_batch(spec, 9, 3, 64, seed=11, shared_prefix_blocks=1)
+    q, kp, vp = q.bfloat16(), kp.bfloat16(), vp.bfloat16()
+    lay = attention.layout("gather", rows, pos, bs, nblk)
+    assert all(attention._kernel_fits(q, kp, vp, g) for g in lay)
+    got = attention.attend("gather", q, kp, vp, lay, None)
+    want = attention.attend("gather", q.float(), kp.float(), vp.float(), lay, None)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
+
+
+@needs_kernel
 def test_the_c_kernel_is_batch_invariant():
     """A row's output is the same bits alone or beside others (the sums never depend on the batch)."""
     spec = [(40, 3), (7, 1), (90, 5)]

@@ -118,9 +118,15 @@ def gather_attend(q, k_pool, v_pool, groups: list[Group], scaling) -> torch.Tens
     # q [T, H, D]; k_pool, v_pool [slots, kv_heads, D] -> [T, H, D]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     gqa = q.shape[1] != k_pool.shape[1]
+    wide = None  # a bfloat16 model's queries and the kernel's results in float32 (the kernel's arithmetic)
     for g in groups:  # index_select, not [index]: whole rows copied, not element by element (3-5x faster)
         if _kernel_fits(q, k_pool, v_pool, g):
-            _kernel_attend(q, k_pool, v_pool, g, scaling, out)
+            if q.dtype == torch.float32:
+                _kernel_attend(q, k_pool, v_pool, g, scaling, out)
+            else:
+                wide = wide or (q.float(), torch.empty(q.shape, dtype=torch.float32))
+                _kernel_attend(wide[0], k_pool, v_pool, g, scaling, wide[1])
+                out.index_copy_(0, g.at, wide[1].index_select(0, g.at).to(q.dtype))
             continue
         qg = _rows(q, g.q_index).transpose(1, 2)  # [B, H, T, D]
         kg = _rows(k_pool, g.kv_slots).transpose(1, 2)  # [B, kv_heads, L, D]: the copy this backend makes
@@ -146,7 +152,7 @@ def _kernel() -> ctypes.CDLL | None:
     c_long, ptr = ctypes.c_long, ctypes.c_void_p
     return ckernels.kernel(KERNEL, "SPECSERVE_ATTENTION_KERNEL", {"paged_attention": [
         ptr, c_long, c_long, ptr, ptr, ptr, c_long, ptr, c_long, c_long, c_long, c_long, c_long, ctypes.c_float, ptr,
-        ctypes.c_int]})
+        ctypes.c_int, ctypes.c_int]})
 
 
 KERNEL_ON = True
@@ -155,9 +161,10 @@ baseline: SDPA on the gathered copy)."""
 
 
 def _kernel_fits(q, k_pool, v_pool, g: Group) -> bool:
-    """A group of short rows (not a prompt's plain-causal chunk) on the CPU in float32: the C kernel's."""
+    """A group of short rows (not a prompt's plain-causal chunk) on the CPU in float32 or bfloat16 (keys and values
+    read as they are, widened in registers): the C kernel's."""
     return KERNEL_ON and g.spans is not None and g.q_index.shape[1] <= SHORT_ROW and q.device.type == "cpu" \
-        and q.dtype == k_pool.dtype == v_pool.dtype == torch.float32 and q.stride(2) == 1 \
+        and q.dtype == k_pool.dtype == v_pool.dtype and q.dtype in (torch.float32, torch.bfloat16) and q.stride(2) == 1 \
         and k_pool.is_contiguous() and v_pool.is_contiguous() and q.shape[2] % 8 == 0 and _kernel() is not None
 
 
@@ -166,7 +173,7 @@ def _kernel_attend(q, k_pool, v_pool, g: Group, scaling, out) -> None:  # q, out
     _kernel().paged_attention(q.data_ptr(), q.stride(0), q.stride(1), k_pool.data_ptr(), v_pool.data_ptr(),
                               g.spans.data_ptr(), g.spans.shape[0], g.tables.data_ptr(), g.tables.stride(0),
                               g.block_size, h, k_pool.shape[1], d, d ** -0.5 if scaling is None else scaling,
-                              out.data_ptr(), torch.get_num_threads())
+                              out.data_ptr(), torch.get_num_threads(), int(k_pool.dtype == torch.bfloat16))
 
 
 # ---- flex -----------------------------------------------------------------------------------------
