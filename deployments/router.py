@@ -68,6 +68,7 @@ class HeldGauge(metrics.Gauge):
         for key, value in list(self.last.items()):  # list(): the step thread may add a tag set meanwhile
             super().set(value, tags=dict(key) or None)
 
+
 @serve.deployment(max_ongoing_requests=4096, health_check_period_s=10, health_check_timeout_s=60,
                   ray_actor_options={"num_cpus": 0})
 class Router:

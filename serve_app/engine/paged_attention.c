@@ -60,90 +60,81 @@ static inline __m256 sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4,
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* 8 pool values from element i of a float32 (f32) or bfloat16 (bf16) pool, as float32: a bfloat16 is the top
- * half of the float32 with the same bits. */
-static inline __m256 load_f32(const void *pool, long i) { return _mm256_loadu_ps((const float *)pool + i); }
-static inline __m256 load_bf16(const void *pool, long i) {
+/* 8 pool values from element i of a float32 or (bf16) bfloat16 pool, as float32: a bfloat16 is the top half of
+ * the float32 with the same bits. Inlined where bf16 is a constant, so the test folds away. */
+static inline __attribute__((always_inline)) __m256 load8(const void *pool, long i, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)pool + i);
     const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)pool + i));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 #define KEY(u) const long k##u = at[l + u < L ? l + u : l] + j * D;
-#define DOT(u) a##u = _mm256_fmadd_ps(qd, LD(kp, k##u + d), a##u);
+#define DOT(u) a##u = _mm256_fmadd_ps(qd, load8(kp, k##u + d, bf16), a##u);
 /* Named accumulators, not an array: GCC keeps an array of vectors in memory and stores it every step. */
-#define VFMA(c) if (w8 > 8 * c) a##c = _mm256_fmadd_ps(p, LD(vp, v + 8 * c), a##c);
+#define VFMA(c) if (w8 > 8 * c) a##c = _mm256_fmadd_ps(p, load8(vp, v + 8 * c, bf16), a##c);
 #define VPUT(c) if (w8 > 8 * c) _mm256_storeu_ps(o + d + 8 * c, _mm256_mul_ps(a##c, inv));
 
 /* One (row, kv head): the Q = n * G queries that read these keys. s: scratch [Q][L] scores, then weights.
  * Scores go 8 keys at a time: 8 independent FMA chains per query, one reduction for the 8 (a key past a
- * query's own position gets a score it never reads). */
-#define ITEM(NAME) \
-static void NAME(const float *q, long qs_t, long qs_h, const void *kp, const void *vp, long off, long n, \
-                 long start, const int64_t *table, long bs, long H, long KV, long D, long j, float scale, \
-                 float *out, float *s) { \
-    const long G = H / KV, Q = n * G, L = start + n; \
-    const __m256 sc = _mm256_set1_ps(scale); \
-    long *at = (long *)(s + ((Q * L + Q + 1) & ~1L));  /* [L] where position l's keys and values start in the pools */ \
-    for (long l = 0; l < L; l++) at[l] = (table[l / bs] * bs + l % bs) * KV * D; \
-    for (long l = 0; l < L; l += 8) { \
-        KEY(0) KEY(1) KEY(2) KEY(3) KEY(4) KEY(5) KEY(6) KEY(7) \
-        for (long i = 0; i < Q; i++) { \
-            const float *qq = q + (off + i / G) * qs_t + (j * G + i % G) * qs_h; \
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
-            for (long d = 0; d < D; d += 8) { \
-                const __m256 qd = _mm256_loadu_ps(qq + d); \
-                DOT(0) DOT(1) DOT(2) DOT(3) DOT(4) DOT(5) DOT(6) DOT(7) \
-            } \
-            float v[8]; \
-            _mm256_storeu_ps(v, _mm256_mul_ps(sum8(a0, a1, a2, a3, a4, a5, a6, a7), sc)); \
-            for (long u = 0; u < 8 && l + u < L; u++) s[i * L + l + u] = v[u]; \
-        } \
-    } \
-    float *sums = s + Q * L; \
-    for (long t = 0; t < n; t++) {  /* softmax of each query's row over the keys it sees; zeros past them */ \
-        const long len = start + t + 1; \
-        for (long g = 0; g < G; g++) { \
-            float *r = s + (t * G + g) * L; \
-            float m = -INFINITY; \
-            for (long l = 0; l < len; l++) m = r[l] > m ? r[l] : m; \
-            __m256 mv = _mm256_set1_ps(m), acc = _mm256_setzero_ps(); \
-            long l = 0; \
-            for (; l + 8 <= len; l += 8) { \
-                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(r + l), mv)); \
-                _mm256_storeu_ps(r + l, e); \
-                acc = _mm256_add_ps(acc, e); \
-            } \
-            float sum = hsum(acc); \
-            for (; l < len; l++) { r[l] = expf1(r[l] - m); sum += r[l]; } \
-            for (l = len; l < L; l++) r[l] = 0.0f; \
-            sums[t * G + g] = sum; \
-        } \
-    } \
-    for (long i = 0; i < Q; i++) {  /* values: 64 of a query's outputs at a time, summed in registers */ \
-        const long t = i / G, len = start + t + 1; \
-        const float *w = s + i * L; \
-        float *o = out + ((off + t) * H + j * G + i % G) * D; \
-        const __m256 inv = _mm256_set1_ps(1.0f / sums[i]); \
-        for (long d = 0; d < D; d += 64) { \
-            const long w8 = D - d < 64 ? D - d : 64; \
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
-            for (long l = 0; l < len; l++) { \
-                const __m256 p = _mm256_set1_ps(w[l]); \
-                const long v = at[l] + j * D + d; \
-                VFMA(0) VFMA(1) VFMA(2) VFMA(3) VFMA(4) VFMA(5) VFMA(6) VFMA(7) \
-            } \
-            VPUT(0) VPUT(1) VPUT(2) VPUT(3) VPUT(4) VPUT(5) VPUT(6) VPUT(7) \
-        } \
-    } \
+ * query's own position gets a score it never reads). Inlined into the two calls below, one per pool type. */
+static inline __attribute__((always_inline)) void item(
+        const float *q, long qs_t, long qs_h, const void *kp, const void *vp, long off, long n, long start,
+        const int64_t *table, long bs, long H, long KV, long D, long j, float scale, float *out, float *s, int bf16) {
+    const long G = H / KV, Q = n * G, L = start + n;
+    const __m256 sc = _mm256_set1_ps(scale);
+    long *at = (long *)(s + ((Q * L + Q + 1) & ~1L));  /* [L] where position l's keys and values start in the pools */
+    for (long l = 0; l < L; l++) at[l] = (table[l / bs] * bs + l % bs) * KV * D;
+    for (long l = 0; l < L; l += 8) {
+        KEY(0) KEY(1) KEY(2) KEY(3) KEY(4) KEY(5) KEY(6) KEY(7)
+        for (long i = 0; i < Q; i++) {
+            const float *qq = q + (off + i / G) * qs_t + (j * G + i % G) * qs_h;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+            for (long d = 0; d < D; d += 8) {
+                const __m256 qd = _mm256_loadu_ps(qq + d);
+                DOT(0) DOT(1) DOT(2) DOT(3) DOT(4) DOT(5) DOT(6) DOT(7)
+            }
+            float v[8];
+            _mm256_storeu_ps(v, _mm256_mul_ps(sum8(a0, a1, a2, a3, a4, a5, a6, a7), sc));
+            for (long u = 0; u < 8 && l + u < L; u++) s[i * L + l + u] = v[u];
+        }
+    }
+    float *sums = s + Q * L;
+    for (long t = 0; t < n; t++) {  /* softmax of each query's row over the keys it sees; zeros past them */
+        const long len = start + t + 1;
+        for (long g = 0; g < G; g++) {
+            float *r = s + (t * G + g) * L;
+            float m = -INFINITY;
+            for (long l = 0; l < len; l++) m = r[l] > m ? r[l] : m;
+            __m256 mv = _mm256_set1_ps(m), acc = _mm256_setzero_ps();
+            long l = 0;
+            for (; l + 8 <= len; l += 8) {
+                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(r + l), mv));
+                _mm256_storeu_ps(r + l, e);
+                acc = _mm256_add_ps(acc, e);
+            }
+            float sum = hsum(acc);
+            for (; l < len; l++) { r[l] = expf1(r[l] - m); sum += r[l]; }
+            for (l = len; l < L; l++) r[l] = 0.0f;
+            sums[t * G + g] = sum;
+        }
+    }
+    for (long i = 0; i < Q; i++) {  /* values: 64 of a query's outputs at a time, summed in registers */
+        const long t = i / G, len = start + t + 1;
+        const float *w = s + i * L;
+        float *o = out + ((off + t) * H + j * G + i % G) * D;
+        const __m256 inv = _mm256_set1_ps(1.0f / sums[i]);
+        for (long d = 0; d < D; d += 64) {
+            const long w8 = D - d < 64 ? D - d : 64;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+            for (long l = 0; l < len; l++) {
+                const __m256 p = _mm256_set1_ps(w[l]);
+                const long v = at[l] + j * D + d;
+                VFMA(0) VFMA(1) VFMA(2) VFMA(3) VFMA(4) VFMA(5) VFMA(6) VFMA(7)
+            }
+            VPUT(0) VPUT(1) VPUT(2) VPUT(3) VPUT(4) VPUT(5) VPUT(6) VPUT(7)
+        }
+    }
 }
-
-/* LD: how the pools are read, looked up where each ITEM expands (DOT and VFMA use it) */
-#define LD load_f32
-ITEM(item_f32)
-#undef LD
-#define LD load_bf16
-ITEM(item_bf16)
-#undef LD
 
 void paged_attention(const float *q, long qs_t, long qs_h, const void *kp, const void *vp, const int64_t *rows,
                      long B, const int64_t *tables, long tab_stride, long bs, long H, long KV, long D, float scale,
@@ -159,8 +150,11 @@ void paged_attention(const float *q, long qs_t, long qs_h, const void *kp, const
 #pragma omp for schedule(dynamic)
         for (long w = 0; w < B * KV; w++) {
             const long b = w / KV;
-            (kv_bf16 ? item_bf16 : item_f32)(q, qs_t, qs_h, kp, vp, rows[3 * b], rows[3 * b + 1], rows[3 * b + 2],
-                                             tables + b * tab_stride, bs, H, KV, D, w % KV, scale, out, s);
+            const long off = rows[3 * b], n = rows[3 * b + 1], start = rows[3 * b + 2];
+            if (kv_bf16)
+                item(q, qs_t, qs_h, kp, vp, off, n, start, tables + b * tab_stride, bs, H, KV, D, w % KV, scale, out, s, 1);
+            else
+                item(q, qs_t, qs_h, kp, vp, off, n, start, tables + b * tab_stride, bs, H, KV, D, w % KV, scale, out, s, 0);
         }
         free(s);
     }
