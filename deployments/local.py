@@ -34,13 +34,15 @@ def quiet_serve_env() -> None:
 def start(app_args: dict, host: str = "127.0.0.1", port: int = 8000, metrics_port: int | None = None,
           resources: dict | None = None) -> str:
     """Start local Ray + Serve and deploy the app; returns the base URL. Bad config raises ValueError."""
+    # Before Serve is imported: it reads its settings once, at import, and a handle bound here keeps the transport
+    # this process read (imported first, the ingress's calls to its Routers went through Ray's object store).
+    quiet_serve_env()
     import ray
     from ray import serve
 
     from .app import build_app
 
     cfg = AppConfig.model_validate(app_args)  # validate before starting anything
-    quiet_serve_env()
     ray.init(
         num_cpus=max(os.cpu_count() or 1, 4), resources=resources, include_dashboard=False,
         _metrics_export_port=metrics_port, logging_level="WARNING",

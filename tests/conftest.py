@@ -17,6 +17,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # process and the Ray workers it starts, so greedy equality stays bit-exact across batch shapes.
 # Tests of auto itself clear it (test_dtype.py).
 os.environ.setdefault("SPECSERVE_AUTO_DTYPE", "float32")
+# Serve's handles between deployments by value over gRPC, as `specserve serve` and the pods have them: Serve reads
+# it once at import, and a handle bound in this process keeps what this process read.
+os.environ.setdefault("RAY_SERVE_USE_GRPC_BY_DEFAULT", "1")
 
 import pytest
 import torch

@@ -23,6 +23,7 @@ import importlib.util
 import json
 import os
 import re
+import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -351,6 +352,22 @@ def test_quiet_serve_env_fills_in_what_the_user_left_unset(monkeypatch):
     quiet_serve_env()
     assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.1"  # the user's stays
     assert os.environ["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"] == SERVE_ENV["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"]
+
+
+def test_specserve_serve_sets_serves_environment_before_serve_reads_it(tmp_path):
+    """Serve reads its settings once, at import, and a handle bound in the driver keeps the transport the driver
+    read: `start` sets SERVE_ENV before it imports Serve, so the ingress calls its Routers over gRPC."""
+    probe = ("import ray, deployments.local as local\n"
+             "def init(**kw):\n"
+             "    from ray.serve._private.constants import RAY_SERVE_USE_GRPC_BY_DEFAULT\n"
+             "    from ray.serve._private.handle_options import DynamicHandleOptions\n"
+             "    print(RAY_SERVE_USE_GRPC_BY_DEFAULT, DynamicHandleOptions()._by_reference)\n"
+             "    raise SystemExit(0)\n"
+             "ray.init = init\n"
+             "local.start({})\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert r.stdout.split() == ["True", "False"], r.stdout + r.stderr[-2000:]
 
 
 def test_ray_version_agrees_across_manifests_installed_ray_and_dockerfile():
