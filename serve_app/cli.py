@@ -248,6 +248,21 @@ def _parser() -> argparse.ArgumentParser:
     bx.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/bench-context-<hardware type>)")
     bx.set_defaults(func=_cmd_bench_context)
 
+    bg = bsub.add_parser("graphs", help="what captured CUDA graphs would buy a step: engine steps' wall against device "
+                                        "busy time, and one forward per shape eager against captured by hand")
+    _model_args(bg)
+    bg.add_argument("--random", default="llama-3.1-8b:32", help="SHAPE:LAYERS, a random Llama with a truncated draft "
+                                                                "(default %(default)s); 'none': --target / --draft")
+    bg.add_argument("--draft-layers", type=int, default=2, help="with --random: the draft's layers (default 2)")
+    bg.add_argument("--batch-sizes", default="1,8,32")
+    bg.add_argument("--ks", default="0,2,4")
+    bg.add_argument("--context", type=int, default=512, help="KV tokens per row (default %(default)s)")
+    bg.add_argument("--steps", type=int, default=6, help="engine steps timed per (batch, k)")
+    bg.add_argument("--reps", type=int, default=10, help="timed calls per forward (median)")
+    bg.add_argument("--deadline", type=float, default=None, help="seconds: batch sizes not started by then are skipped")
+    bg.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/bench-graphs-<hardware type>)")
+    bg.set_defaults(func=_cmd_bench_graphs)
+
     br = bsub.add_parser("replay", help="policies on a virtual clock (the profile's cost model): deterministic "
                                         "latency and work per 1k tokens on (b), (d), (e), and a closed-loop grid")
     _model_args(br)
@@ -843,6 +858,37 @@ def _cmd_bench_context(args) -> int:
         merge_into_profile(args.into, results["grid"], results["chunk_context"])
         print(f"context axis added to {args.into}")
     return 0
+
+
+def _cmd_bench_graphs(args) -> int:
+    from serve_app.bench.context import random_models
+    from serve_app.bench.graphs import graphs_markdown, probe_graphs
+    from serve_app.models import load_models
+
+    if args.steps < 1 or args.reps < 1 or args.context < 1:
+        raise UsageError("--steps, --reps and --context must be >= 1")
+    if args.random != "none":
+        models, _ = random_models(args.random, args.draft_layers, args.device, args.dtype)
+        label = args.random
+    else:
+        models = load_models(_bench_model(args))
+        label = models.target_name
+    device = next(models.target.parameters()).device
+    name = torch_device_name(device)
+
+    def write(res):
+        _write_bench(args, "graphs", {**res, "device": name, "label": label}, graphs_markdown({**res, "device": name}, label))
+
+    res = probe_graphs(models, int_list(args.batch_sizes, "--batch-sizes"), int_list(args.ks, "--ks"), args.context,
+                       args.steps, args.reps, args.deadline, on_batch=write)
+    write(res)
+    return 0
+
+
+def torch_device_name(device) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def _cmd_bench_replay(args) -> int:
