@@ -190,3 +190,32 @@ def test_prefix_cache_hands_the_draft_the_kept_features(target, draft):
             assert sum(st.prefix_hits for st in steps) >= 40 + 28
     assert runs[True] == runs[False]
     assert runs[True][0] == reference(target, prompts, 10)
+
+
+def test_backlog_counts_only_tokens_no_verification_decided(target, draft):
+    """The draft re-feeds the tokens its last proposal got accepted; predicting them again is no new evidence
+    (those outcomes are already in that step's stats): a step right after a speculating one reports no
+    backlog, a step after k = 0 steps scores the tokens committed meanwhile."""
+
+    class Script:
+        name = "script"
+        ks = iter([0] * 5 + [3] * 6 + [0] * 3 + [2] * 100)
+
+        def choose(self, state):
+            return next(self.ks)
+
+        def observe(self, stats):
+            pass
+
+    engine = Engine(ModelWorker(target, "target"), draft_worker(draft), IdTokenizer(),
+                    EngineConfig(policy="fixed:3", max_batch_size=4), eos_ids=set())
+    engine.policy = Script()
+    seen = []
+    engine.on_step.append(seen.append)
+    reqs = [engine.submit(p, SamplingParams(max_tokens=24)) for p in PROMPTS[:3]]
+    engine.run(reqs)
+    assert [r.output_ids for r in reqs] == [x[:24] for x in reference(target, PROMPTS[:3], 24)]
+    pairs = list(zip(seen, seen[1:]))
+    assert sum(s.accepted for s in seen) > 0  # drafts were accepted and then re-fed
+    assert all(s.backlog_checked == 0 for prev, s in pairs if prev.k and s.k)
+    assert [s.backlog_checked > 0 for prev, s in pairs if not prev.k and s.k] == [True, True]

@@ -30,3 +30,14 @@ def test_the_report_pairs_each_side_with_the_fastest_peer_at_each_level():
     assert "| specserve | 1 | vllm | 2.000x" in best  # bfloat16 vLLM is the faster one at 1 in flight
     assert "| specserve | 8 | vllm@float32 | 1.500x" in best  # float32 at 8
     assert "| specserve / vllm | 8 | 3.000x" in text
+
+
+def test_a_servers_levels_never_ask_a_question_twice():
+    from serve_app.bench.peer import PEER_PROMPTS, level_prompts
+
+    for r in range(3):
+        asks = level_prompts([1, 8, 32], r)
+        assert [len(a) for a in asks] == [1, 8, 32]
+        flat = [q for a in asks for q in a]
+        assert len(set(flat)) == len(flat) == 41 and set(flat) <= set(PEER_PROMPTS)
+    assert level_prompts([1], 0) != level_prompts([1], 1)  # rounds start at different questions

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from serve_app.bench.prompt_sets import BENCH_PROMPTS
+from serve_app.bench.prompt_sets import BENCH_PROMPTS, CREATIVE_PROMPTS, MORE_CHAT_PROMPTS
 from serve_app.bench.rounds import fmt_paired, paired_ratio, rotated
 from serve_app.bench.service import free_port, server
 
@@ -90,17 +90,32 @@ async def _stream(client, url: str, model: str, question: str, params: dict, max
             "gaps": [b - a for a, b in zip(times, times[1:])]}
 
 
-async def _load(url: str, model: str, concurrency: int, requests: int, params: dict, max_tokens: int, offset: int) -> dict:
-    """`requests` streamed chats, `concurrency` in flight (closed loop): the figures of one side at one level."""
+PEER_PROMPTS = BENCH_PROMPTS + MORE_CHAT_PROMPTS
+"""The peer benchmark's questions: a server's levels take consecutive slices (from its round's offset), so no
+question is asked twice in a server's life while the levels' requests fit (1 + 8 + 32 at one request per
+slot): an answer given before would be drafted from specserve's history, which the peers do not have."""
+
+
+def level_prompts(levels: list[int], round_: int) -> list[list[str]]:
+    """Each level's questions (levels: requests per level, in order), consecutive from the round's offset."""
+    out, at = [], round_ * 7  # a round starts elsewhere, so a question is not always asked at the same level
+    for n in levels:
+        out.append([PEER_PROMPTS[(at + i) % len(PEER_PROMPTS)] for i in range(n)])
+        at += n
+    return out
+
+
+async def _load(url: str, model: str, concurrency: int, prompts: list[str], params: dict, max_tokens: int) -> dict:
+    """One streamed chat per prompt, `concurrency` in flight (closed loop): the figures of one side at one level."""
     import httpx
 
-    queue = list(range(requests))
+    queue = list(range(len(prompts)))
     out = []
     async with httpx.AsyncClient(timeout=1800) as client:
         async def worker():
             while queue:
                 i = queue.pop(0)
-                out.append(await _stream(client, url, model, BENCH_PROMPTS[(offset + i) % len(BENCH_PROMPTS)], params,
+                out.append(await _stream(client, url, model, prompts[i], params,
                                          max_tokens))
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -135,10 +150,11 @@ def bench_peer(model_source: str, vllm_python: str | None, concurrencies: list[i
                 cmd = side_command(side, model_dir, dtype, port, vllm_python or "", max_batch)
                 ready = "/readyz" if side.startswith("specserve") else "/health"
                 with server(cmd, f"http://127.0.0.1:{port}", ready, ready_s) as (url, model):
-                    asyncio.run(_load(url, model, 1, 2, MODES["greedy"], 16, 0))  # warm-up
-                    for mode, c in levels:
+                    asyncio.run(_load(url, model, 1, CREATIVE_PROMPTS[:2], MODES["greedy"], 16))  # warm-up, not measured
+                    asks = level_prompts([max(requests_per_level * c, 2) for _, c in levels], r)
+                    for (mode, c), prompts in zip(levels, asks):
                         bar.set_postfix_str(f"round {r + 1}: {side} {mode} x{c}")
-                        fig = asyncio.run(_load(url, model, c, max(requests_per_level * c, 2), MODES[mode], max_tokens, r))
+                        fig = asyncio.run(_load(url, model, c, prompts, MODES[mode], max_tokens))
                         runs.append({"round": r, "side": side, "mode": mode, "concurrency": c, **fig})
                         bar.update(1)
     results = {"model": model_source, "dtype": dtype, "max_tokens": max_tokens, "rounds": rounds, "sides": sides,

@@ -36,6 +36,60 @@ BENCH_PROMPTS = [
 ]
 """Everyday chat requests: bench engine, bench http, bench policies (a) and (b), bench acceptance."""
 
+MORE_CHAT_PROMPTS = [
+    "What should I look for when adopting a rescue dog?",
+    "Plan a two-day trip to Kyoto on a small budget.",
+    "Why do onions make people cry when they are cut?",
+    "What should I check before buying a used car?",
+    "How can I politely decline an invitation to a party?",
+    "What makes sourdough bread different from ordinary bread?",
+    "Explain the offside rule in football as simply as you can.",
+    "How does a microwave oven heat food?",
+    "Write a short apology to a friend for missing their birthday dinner.",
+    "Why is Venus hotter than Mercury?",
+    "How do I get started with running if I have never exercised?",
+    "Why is the ocean salty but rivers are not?",
+    "Write a Python snippet that counts how often each letter appears in a string.",
+    "How often should I water a cactus, and why?",
+    "What is the difference between a stock and a bond?",
+    "Why do leaves change colour in the autumn?",
+    "Plan a simple vegetarian dinner for four people.",
+    "What does a product manager do all day?",
+    "How does a submarine dive and surface?",
+    "How do I ask my manager for a raise?",
+    "What is the difference between RAM and storage in a computer?",
+    "Which board games work well for a family with young children?",
+    "How do time zones work, and who decides them?",
+    "Write a JavaScript function that shuffles an array.",
+    "How can I make my apartment warmer in winter without raising the bill?",
+    "How does a lock and key actually work?",
+    "Describe how to change a flat tyre on a bicycle.",
+    "What are the signs that a person is dehydrated?",
+    "How do I write a good cover letter for an internship?",
+    "Why does ice float on water?",
+    "Recommend a few classic novels for someone who likes mysteries.",
+    "What is the purpose of a central bank?",
+    "How can I improve my handwriting as an adult?",
+    "What is a spreadsheet pivot table, and when is it useful?",
+    "What causes earthquakes, and why are some regions more at risk?",
+    "How do I make a budget for my monthly expenses?",
+    "What happens in the body when we sleep?",
+    "Why do cats knock things off tables?",
+    "How do solar panels turn sunlight into electricity?",
+    "Write a SQL query that finds the ten customers with the most orders.",
+    "What are good questions to ask at the end of a job interview?",
+    "How did the printing press change Europe?",
+    "What is the best way to learn to touch type?",
+    "Why do some people get seasick and others do not?",
+    "How do volcanoes form?",
+    "How do I clean a cast iron pan without ruining it?",
+    "What is the difference between a crocodile and an alligator?",
+    "Give me a short pep talk before an exam.",
+]
+"""More everyday chat requests, for the peer benchmark: with BENCH_PROMPTS, one distinct prompt per request a
+server answers at 1, 8 and 32 in flight (an answer seen before would be drafted from the history, which vLLM
+cannot do)."""
+
 CREATIVE_PROMPTS = [
     "Invent a new holiday and describe how people celebrate it.",
     "Write a short poem about a lonely lighthouse in a storm.",
@@ -133,7 +187,7 @@ PROFILE_PROMPTS = [
     "Describe how a refrigerator keeps food cold.",
     "What are good habits for writing clean code?",
     "Explain compound interest with a small example.",
-    "Why do cats purr?",
+    "Why do dogs tilt their heads when we talk to them?",
     "Give advice to someone starting their first job.",
     "How does a search engine decide which pages to show?",
     "Describe the smell of a forest after rain.",
@@ -146,7 +200,7 @@ PROFILE_PROMPTS = [
     "Explain what an API is to a non-programmer.",
     "Why do we have leap years?",
     "Describe a busy market on a Saturday morning.",
-    "How do noise-cancelling headphones work?",
+    "How do noise-cancelling headphones block out the sound of an engine?",
     "What are the benefits of reading fiction?",
     "Explain recursion using a real-world analogy.",
     "How should I prepare for a long flight?",
@@ -154,12 +208,12 @@ PROFILE_PROMPTS = [
     "Write a short thank-you note to a neighbour who watered my plants.",
     "How do bees make honey?",
     "Give tips for taking better photos with a phone.",
-    "What is the difference between a virus and a bacterium?",
+    "Why do antibiotics not work against a cold?",
     "Describe how bread rises.",
 ]
 """Profiling only (latency grid rows up to batch 32, acceptance per draft position)."""
 
-EVAL_SETS = {"benchmark": BENCH_PROMPTS, "creative": CREATIVE_PROMPTS, "structured": STRUCTURED_PROMPTS,
+EVAL_SETS = {"benchmark": BENCH_PROMPTS, "chat": MORE_CHAT_PROMPTS, "creative": CREATIVE_PROMPTS, "structured": STRUCTURED_PROMPTS,
              "rewrite": REWRITE_PROMPTS}
 
 

@@ -18,7 +18,8 @@ import torch
 
 from serve_app.engine.draftplan import DraftPlan
 from serve_app.engine.kv import pack
-from serve_app.engine.worker import Drafting, ModelWorker, Proposal, _backlog_agreement, backlog_window, paged_attention
+from serve_app.engine.worker import (Drafting, ModelWorker, Proposal, _backlog_agreement, backlog_window, mark_verified,
+                                     paged_attention)
 
 
 class EagleWorker(ModelWorker):
@@ -120,7 +121,9 @@ class EagleWorker(ModelWorker):
             rows = drafting.rows
             logits, state, small = self._step([seq_ids[b] for b in rows], [[tok[b]] for b in rows],
                                               [lens[b] - 1 + j for b in rows], state[pick, -1], 1)
-        return drafting.proposal(backlog)
+        proposal = drafting.proposal(backlog)
+        mark_verified(seqs, proposal)
+        return proposal
 
     def _step(self, seq_ids: list[str], fed: list[list[int]], starts: list[int], hidden: torch.Tensor, keep: int):
         """One packed forward of the draft layer: row b feeds fed[b] at positions starts[b], ... with

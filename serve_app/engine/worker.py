@@ -355,7 +355,9 @@ class ModelWorker:
             j += 1
         for s, n, f in zip(seqs, lens, forwards):  # the KV holds the pending tokens and what later forwards fed
             s.proposal_kv = n + f - 1 if f else -1
-        return drafting.proposal(backlog)
+        proposal = drafting.proposal(backlog)
+        mark_verified(seqs, proposal)
+        return proposal
 
     def commit(self, seq_ids: list[str], new_tokens: list[list[int]], features: list[torch.Tensor] | None = None) -> None:
         """Append each sequence's accepted drafts + target token; keep only KV that is still valid.
@@ -376,6 +378,8 @@ class ModelWorker:
         outputs (`live`) follow."""
         s = self.seqs[sid]
         s.tokens.extend(new)
+        if s.extra.pop("proposed", False):  # a verification's outcomes end here (`_backlog_agreement`)
+            s.extra["verified_until"] = len(s.tokens)
         settle_guide(s, new)
         settle_copy(s, new)
         if self.live is not None:
@@ -807,7 +811,10 @@ def _backlog_agreement(seqs: list[Sequence], fed: list[list[int]], logits: torch
 
     logits [B, W, V] belong to the last W fed positions (a row with fewer repeats its first on the left,
     as `_last` picks them): the prediction at a pending token is checked against the pending token after
-    it, which the target already committed.
+    it, which the target already committed. Only tokens committed with no proposal outstanding count: a
+    token the last verification decided (an accepted draft, or the target's own after it) was already one
+    outcome in that step's stats, and a draft that re-feeds its accepted tokens (EAGLE-3) would predict them
+    again, counting each acceptance twice (`verified_until`, set by `mark_verified`).
     """
     w = logits.shape[1]
     pred = logits[:, :-1].max(dim=-1).indices.tolist() if w > 1 else [[] for _ in seqs]  # [B, W-1]
@@ -816,9 +823,20 @@ def _backlog_agreement(seqs: list[Sequence], fed: list[list[int]], logits: torch
         n = min(len(f), w)  # real tokens in the window; the rest is padding
         if n < 2 or not s.params.greedy:
             continue
-        checked += n - 1
-        matched += sum(p == t for p, t in zip(pred[b][w - n :], f[len(f) - n + 1 :]))
+        first = len(s.tokens) - n + 1  # the index in s.tokens of the first token checked
+        skip = min(max(s.extra.get("verified_until", 0) - first, 0), n - 1)
+        checked += n - 1 - skip
+        matched += sum(p == t for p, t in zip(pred[b][w - n + skip :], f[len(f) - n + 1 + skip :]))
     return checked, matched
+
+
+def mark_verified(seqs: list[Sequence], proposal: "Proposal") -> None:
+    """Rows that drafted: the tokens the coming verification commits (accepted drafts and the target's token
+    after them) are its outcomes, not backlog evidence for the next proposal (`_append_committed` records
+    where they end, `_backlog_agreement` skips them)."""
+    for s, d in zip(seqs, proposal.row_lengths()):
+        if d:
+            s.extra["proposed"] = True
 
 
 def _logprobs(seqs: list[Sequence], logits: torch.Tensor, drafts: list[list[int]], num_acc: list[int],
