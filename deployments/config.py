@@ -34,7 +34,13 @@ class GroupConfig(BaseModel):
     torch_threads: int = Field(0, ge=0)
     """torch threads per worker actor; 0: all the CPUs the actor's process may use, its cores capped
     by its container's CPU quota (serve_app.hardware.available_cpus; Ray would otherwise give torch
-    only the actor's num_cpus). The draft and target of a pair compute one after the other."""
+    only the actor's num_cpus). The target's; the draft's is `draft_torch_threads`."""
+    draft_torch_threads: int = Field(1, ge=0)
+    """torch threads for the draft's worker actor; 0: as `torch_threads`. One by default: a draft's forward is
+    small, and after each one libgomp's threads spin-wait on the cores the target's verification needs next, so
+    on a CPU a one-threaded draft left the target more of the machine (`specserve serve` on 2 cores, 3 rounds
+    against the draft on both: 1.08-1.49x tokens/s at 1 in flight, 0.98-1.16x at 8, 0.97-1.44x at 32;
+    docs/benchmarks.md). It also drafts on the host when the models are on a GPU, where one is plenty."""
     num_replicas: int = Field(1, ge=1)
     """Router replicas (each with its own draft + target pair)."""
     placement_strategy: str = Field("STRICT_PACK", pattern="^(STRICT_PACK|PACK|SPREAD|STRICT_SPREAD)$")
@@ -48,6 +54,10 @@ class GroupConfig(BaseModel):
     task call took 3-7 ms on 2 cores). False: as Ray task calls, the features through Ray's object store."""
     worker_start_timeout_s: float = Field(300, gt=0)
     """How long a replacement worker actor may take to start (load its model) before the repair fails."""
+
+    def threads(self, role: str) -> int:
+        """torch threads for the worker actor of `role` (0: all the CPUs its process may use)."""
+        return self.torch_threads if role == "target" else self.draft_torch_threads or self.torch_threads
 
     def gpus(self, role: str) -> float:
         """GPUs the worker actor of `role` (target or draft) asks Ray for."""

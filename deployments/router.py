@@ -201,7 +201,7 @@ class Router:
             name=self._names[i], max_concurrency=1, num_cpus=g.worker_cpus, num_gpus=g.gpus(role), resources=self._resources() or None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
             runtime_env={"env_vars": allocator_env()} if self.model_config.device == "cpu" else None,
-        ).remote(self.model_config.model_dump(), g.torch_threads)
+        ).remote(self.model_config.model_dump(), g.threads(role))
 
     # ---- repair (Engine.repair: runs in the engine's step thread) ---------------------------
     def _alive(self, actor) -> bool:

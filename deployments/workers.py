@@ -47,6 +47,7 @@ class _ModelHost:
         self.model, self.torch_threads = model, torch_threads
         self.worker = None
         self.load_thread: int | None = None  # the thread the model loaded on (its OpenMP pool's)
+        self.threads: int | None = None  # torch threads of that pool, once loaded
         self.direct_bytes = 0
         self.call_s, self.n_calls = 0.0, 0  # time inside model calls: a caller's wait minus this is the hop
         self.listener: socket.socket | None = None  # the channel's (open_channel), for the actor's life
@@ -76,6 +77,7 @@ class _ModelHost:
         # Ray sets OMP_NUM_THREADS to the actor's num_cpus (1), which would leave torch one core; the
         # machine's count (os.cpu_count()) would be the node's cores in a pod limited to a few.
         torch.set_num_threads(self.torch_threads or available_cpus())
+        self.threads = torch.get_num_threads()
         mc = ModelConfig(**self.model)
         if self.role == "target":
             target, tokenizer, _ = load_target(mc.target, mc.dtype, mc.device)
@@ -267,6 +269,11 @@ class _ModelHost:
     @ray.method(concurrency_group="control")
     def pid(self) -> int:
         return os.getpid()
+
+    @ray.method(concurrency_group="control")
+    def threads_in_use(self) -> int | None:
+        """The model's torch threads (None until it loaded)."""
+        return self.threads
 
 
 CONTROL = {"control": 2}

@@ -40,3 +40,12 @@ def test_serve_flags_place_each_role(flags, want):
     g = _gpu_group(args)
     assert (g["target_gpus"], g["draft_gpus"]) == want
     GroupConfig(**g)
+
+
+def test_the_draft_runs_one_torch_thread_unless_told():
+    assert GroupConfig().threads("draft") == 1 and GroupConfig().threads("target") == 0  # 0: all the CPUs
+    assert GroupConfig(torch_threads=4).threads("draft") == 1
+    assert GroupConfig(torch_threads=4, draft_torch_threads=0).threads("draft") == 4  # 0: as the target
+    assert GroupConfig(draft_torch_threads=3).threads("draft") == 3
+    with pytest.raises(ValidationError):
+        GroupConfig(draft_torch_threads=-1)

@@ -65,7 +65,8 @@ def service(tmp_path_factory):
         "engine": {"policy": "lut", "max_batch_size": 8, "max_model_len": 96},
         # A: draft and target share one (logical) GPU, 0.5 each; B: a GPU per role on a two-GPU node
         "groups": [{"name": g, "gpu_type": g, "accelerator_type": g, "resources": {f"gpu_{g}": 1}, "torch_threads": 1,
-                    "target_gpus": GPUS[g] / 2, "draft_gpus": GPUS[g] / 2} for g in "AB"],
+                    "target_gpus": GPUS[g] / 2, "draft_gpus": GPUS[g] / 2, **({"draft_torch_threads": 2} if g == "A" else {})}
+                   for g in "AB"],
         "ingress_resources": {"head": 0.001},
         "served_model_name": MODEL, "profiles_dir": str(root / "profiles"), "max_tokens_limit": 128,
         "profile_poll_s": 0.5, "health_check_period_s": 1,
@@ -210,6 +211,9 @@ def test_concurrent_requests_are_batched_on_both_groups_each_with_its_own_k(serv
     pids = ray.get([ray.get_actor(name).pid.remote() for name in a["actors"]])
     envs = [dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v) for pid in pids]
     assert all(e["MALLOC_ARENA_MAX"] == "1" and e["MALLOC_MMAP_THRESHOLD_"] == str(1 << 30) for e in envs)
+    # torch threads per role: A's draft was given 2, B's takes the default (1); the targets, torch_threads
+    threads = {g["gpu_type"]: ray.get([ray.get_actor(n).threads_in_use.remote() for n in g["actors"]]) for g in (a, b)}
+    assert threads == {"A": [1, 2], "B": [1, 1]}, threads
 
 
 def test_step_breakdown_splits_each_worker_wait_into_its_work_and_the_hops(service):
