@@ -126,9 +126,10 @@ def test_draft_scores_its_backlog_after_steps_without_speculation(tiny_target, t
     else:
         assert first.backlog_matched < first.backlog_checked / 2
     assert all(s.backlog_checked == 0 for s in seen if not s.k)
-    # a step right after one that speculated has no backlog: its tokens were that verification's outcomes
+    # right after a speculating step a row scores at most the target's token after an all-accepted proposal (its
+    # KV kept what it drafted, so no accepted draft is predicted again: tests/test_eagle3.py for a draft that re-feeds)
     after_spec = [s for prev, s in zip(seen, seen[1:]) if prev.k and s.k]
-    assert after_spec and all(s.backlog_checked == 0 for s in after_spec)
+    assert after_spec and all(s.backlog_checked <= s.batch_size for s in after_spec)
 
 
 def test_kv_budget_makes_requests_wait_not_crash(tiny_target, tiny_drafts, ref20):

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from serve_app.drafting import distill
-from serve_app.bench.prompt_sets import EVAL_SETS, PROFILE_PROMPTS
+from serve_app.bench.prompt_sets import EVAL_SETS, MORE_CHAT_PROMPTS, PROFILE_PROMPTS
 
 TEMPLATES = distill.TEMPLATES + distill.MORE_TEMPLATES + distill.CODE_TEMPLATES + distill.MORE_CODE_TEMPLATES
 
@@ -23,7 +23,7 @@ def template_of(text: str) -> str | None:
     return None
 
 
-SETS = {**EVAL_SETS, "profile": PROFILE_PROMPTS, "distillation": distill.seed_prompts()}
+SETS = {**EVAL_SETS, "chat": MORE_CHAT_PROMPTS, "profile": PROFILE_PROMPTS, "distillation": distill.seed_prompts()}
 
 
 @pytest.mark.parametrize("a, b", [(a, b) for i, a in enumerate(SETS) for b in list(SETS)[i + 1:]])
@@ -32,7 +32,7 @@ def test_sets_are_pairwise_disjoint(a, b):
     assert not shared, f"{a} and {b} share {sorted(shared)[:3]}"
 
 
-@pytest.mark.parametrize("name", [*EVAL_SETS, "profile"])
+@pytest.mark.parametrize("name", [*EVAL_SETS, "chat", "profile"])
 def test_no_profile_or_evaluation_prompt_is_a_distillation_template(name):
     hits = {x: template_of(x) for x in SETS[name] if template_of(x)}
     assert not hits, hits

@@ -88,7 +88,7 @@ MORE_CHAT_PROMPTS = [
 ]
 """More everyday chat requests, for the peer benchmark: with BENCH_PROMPTS, one distinct prompt per request a
 server answers at 1, 8 and 32 in flight (an answer seen before would be drafted from the history, which vLLM
-cannot do)."""
+cannot do). Not among EVAL_SETS (bench acceptance's sets); held out of the distillation corpus like them."""
 
 CREATIVE_PROMPTS = [
     "Invent a new holiday and describe how people celebrate it.",
@@ -213,7 +213,7 @@ PROFILE_PROMPTS = [
 ]
 """Profiling only (latency grid rows up to batch 32, acceptance per draft position)."""
 
-EVAL_SETS = {"benchmark": BENCH_PROMPTS, "chat": MORE_CHAT_PROMPTS, "creative": CREATIVE_PROMPTS, "structured": STRUCTURED_PROMPTS,
+EVAL_SETS = {"benchmark": BENCH_PROMPTS, "creative": CREATIVE_PROMPTS, "structured": STRUCTURED_PROMPTS,
              "rewrite": REWRITE_PROMPTS}
 
 

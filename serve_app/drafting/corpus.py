@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from serve_app.bench.prompt_sets import EVAL_SETS, PROFILE_PROMPTS
+from serve_app.bench.prompt_sets import EVAL_SETS, MORE_CHAT_PROMPTS, PROFILE_PROMPTS
 from serve_app.config import EngineConfig, SamplingParams
 from serve_app.drafting.distill import seed_prompts
 from serve_app.drafting.layers import target_fingerprint
@@ -255,7 +255,7 @@ def grow(models, out_dir: str | Path, tokens: int, settings: CorpusSettings | No
     if manifest["target_fingerprint"] != target_fingerprint(models.target):
         raise ValueError(f"{out} holds text of another target ({manifest['target']})")
     stored = load_corpus(out) if manifest["rounds"] else []  # a later round never repeats these
-    held_out = {_key(p) for p in PROFILE_PROMPTS + [q for texts in EVAL_SETS.values() for q in texts]}
+    held_out = {_key(p) for p in PROFILE_PROMPTS + MORE_CHAT_PROMPTS + [q for texts in EVAL_SETS.values() for q in texts]}
     engine = Engine.from_models(dataclasses.replace(models, draft=None),
                                 EngineConfig(max_batch_size=max_batch, max_num_batched_tokens=max(512, max_batch),
                                              max_num_tokens=max_batch * 640, max_k=0))

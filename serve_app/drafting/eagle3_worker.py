@@ -121,8 +121,9 @@ class EagleWorker(ModelWorker):
             rows = drafting.rows
             logits, state, small = self._step([seq_ids[b] for b in rows], [[tok[b]] for b in rows],
                                               [lens[b] - 1 + j for b in rows], state[pick, -1], 1)
+        copying = drafting.copying  # before proposal(): the copying rows' tokens were not the model's predictions
         proposal = drafting.proposal(backlog)
-        mark_verified(seqs, proposal)
+        mark_verified(seqs, proposal, copying)
         return proposal
 
     def _step(self, seq_ids: list[str], fed: list[list[int]], starts: list[int], hidden: torch.Tensor, keep: int):

@@ -355,9 +355,7 @@ class ModelWorker:
             j += 1
         for s, n, f in zip(seqs, lens, forwards):  # the KV holds the pending tokens and what later forwards fed
             s.proposal_kv = n + f - 1 if f else -1
-        proposal = drafting.proposal(backlog)
-        mark_verified(seqs, proposal)
-        return proposal
+        return drafting.proposal(backlog)  # its KV keeps what the model drafted: no token is scored twice
 
     def commit(self, seq_ids: list[str], new_tokens: list[list[int]], features: list[torch.Tensor] | None = None) -> None:
         """Append each sequence's accepted drafts + target token; keep only KV that is still valid.
@@ -811,10 +809,9 @@ def _backlog_agreement(seqs: list[Sequence], fed: list[list[int]], logits: torch
 
     logits [B, W, V] belong to the last W fed positions (a row with fewer repeats its first on the left,
     as `_last` picks them): the prediction at a pending token is checked against the pending token after
-    it, which the target already committed. Only tokens committed with no proposal outstanding count: a
-    token the last verification decided (an accepted draft, or the target's own after it) was already one
-    outcome in that step's stats, and a draft that re-feeds its accepted tokens (EAGLE-3) would predict them
-    again, counting each acceptance twice (`verified_until`, set by `mark_verified`).
+    it, which the target already committed. A draft that re-feeds the tokens its model drafted and got accepted
+    (EAGLE-3) would predict them again, counting each outcome twice: those are skipped (`verified_until`, set
+    through `mark_verified`).
     """
     w = logits.shape[1]
     pred = logits[:, :-1].max(dim=-1).indices.tolist() if w > 1 else [[] for _ in seqs]  # [B, W-1]
@@ -830,12 +827,13 @@ def _backlog_agreement(seqs: list[Sequence], fed: list[list[int]], logits: torch
     return checked, matched
 
 
-def mark_verified(seqs: list[Sequence], proposal: "Proposal") -> None:
-    """Rows that drafted: the tokens the coming verification commits (accepted drafts and the target's token
-    after them) are its outcomes, not backlog evidence for the next proposal (`_append_committed` records
-    where they end, `_backlog_agreement` skips them)."""
-    for s, d in zip(seqs, proposal.row_lengths()):
-        if d:
+def mark_verified(seqs: list[Sequence], proposal: "Proposal", copying: list[bool]) -> None:
+    """For a draft that re-feeds the tokens its proposal got accepted (EAGLE-3): the rows the model drafted for
+    commit its predictions and the verdict on them, which that step's stats already counted, so they are not
+    backlog evidence for the next proposal (`_append_committed` records where they end, `_backlog_agreement`
+    skips them). A copying row's tokens the model never predicted: they stay evidence."""
+    for s, d, c in zip(seqs, proposal.row_lengths(), copying):
+        if d and not c:
             s.extra["proposed"] = True
 
 
