@@ -168,3 +168,23 @@ def tiny_model_dirs(tmp_path_factory):
         t.save_pretrained(d)
         dirs[name] = str(d)
     return dirs
+
+
+_EXIT = {"status": None}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _EXIT["status"] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Leave at once when the run is reported: once (2026-11-30, after 989 passed) the interpreter's teardown
+    segfaulted in a C extension's exit (torch's and Ray's threads are still about then), and make saw a failure
+    for a run that passed. Nothing is left to do at this point: every report is written."""
+    import sys
+
+    if _EXIT["status"] is not None and os.environ.get("SPECSERVE_TEST_TEARDOWN") != "1":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_EXIT["status"])
