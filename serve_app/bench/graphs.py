@@ -30,11 +30,9 @@ import torch
 from tqdm import tqdm
 
 from serve_app.config import SamplingParams
-from serve_app.engine import lean
 from serve_app.engine.kv import pack
 from serve_app.engine.policy import FixedK
 from serve_app.engine.syncs import SyncCounter
-from serve_app.engine.worker import paged_attention
 from serve_app.profiling.context import PREFILL_BUDGET, _random_ids
 from serve_app.profiling.measuring import measuring_engine
 
@@ -98,18 +96,8 @@ def _forward_fn(worker, fed: list[list[int]]):
     sids = list(worker.seqs)
     starts = [worker.seqs[s].kv_len for s in sids]
     ids, pos, batch = pack(worker.cache, sids, fed, starts, worker.device)
-    model, index = worker.model, torch.arange(ids.shape[1], device=worker.device)
-
-    @torch.inference_mode()  # the pool's tensors are inference tensors
-    def run():
-        worker.cache.batch = batch
-        if worker.lean:
-            return model.lm_head(lean.forward(model, ids[0], pos[0], batch, index))
-        with paged_attention(model):
-            return model(input_ids=ids, position_ids=pos, past_key_values=worker.cache, use_cache=True,
-                         specserve_batch=batch, logits_to_keep=index).logits[0]
-
-    return run
+    index = torch.arange(ids.shape[1], device=worker.device)
+    return lambda: worker._packed(ids, pos, batch, index)
 
 
 def probe_forward(worker, fed: list[list[int]], reps: int) -> dict:

@@ -604,7 +604,16 @@ class ModelWorker:
             index = index.flatten()
         t0 = time.perf_counter()
         ids, pos, batch = pack(self.cache, seq_ids, fed, starts, self.device)
-        index = index.to(self.device)
+        out = self._packed(ids, pos, batch, index.to(self.device), hidden)
+        self._sync()
+        self.timings["forward_s"] += time.perf_counter() - t0
+        return out if shape is None else out.unflatten(0, shape)
+
+    @torch.inference_mode()
+    def _packed(self, ids: torch.Tensor, pos: torch.Tensor, batch, index: torch.Tensor,  # ids, pos [1, T]; index [N]
+                hidden: bool = False) -> torch.Tensor:
+        """The model over a packed batch `kv.pack` built: logits [N, V] at `index`, or with hidden the last hidden
+        states [N, H]. Queued, not waited for (`bench graphs` captures it as it is)."""
         self.cache.batch, self._slots = batch, batch.slots
         if self.lean:
             capture = dict.fromkeys(self.feature_layers) if self.feature_layers else None
@@ -622,9 +631,7 @@ class ModelWorker:
                 else:
                     out = self.model(**args, logits_to_keep=index).logits[0]
         self.cache.batch = None
-        self._sync()
-        self.timings["forward_s"] += time.perf_counter() - t0
-        return out if shape is None else out.unflatten(0, shape)
+        return out
 
     def _sync(self) -> None:
         """Wait for the device, so timings measure work done, not work queued."""
