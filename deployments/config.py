@@ -117,6 +117,20 @@ class AppConfig(BaseModel):
     drain_timeout_s: float = Field(60, gt=0)
     """On shutdown (SIGTERM to `specserve serve`, a pod deleted, a RayService upgrade) new requests get
     503 and in-flight ones get this long to finish. Keep Kubernetes' terminationGracePeriodSeconds above it."""
+    router_in_ingress: bool = False
+    """Host the one group's Router inside the ingress's replica (Serve LLM's "direct streaming"): a token goes from
+    the engine to its HTTP response without a streamed Ray item between two deployments, which costs about a
+    fifth of a core at 32 in flight on 2 cores, beside the forward (docs/benchmarks.md). Needs one group and no
+    ingress_resources (the ingress then has the group's replicas and placement). What it gives up: a Router that
+    fails takes its ingress replica with it, so its requests end with an error instead of resuming on another
+    replica. `specserve serve` turns it on (--separate-router keeps the two deployments)."""
+
+    @model_validator(mode="after")
+    def _one_group_for_router_in_ingress(self) -> "AppConfig":
+        if self.router_in_ingress and (len(self.groups) != 1 or self.ingress_resources):
+            raise ValueError("router_in_ingress needs exactly one group and no ingress_resources (the ingress then "
+                             "sits where the group's Router would)")
+        return self
 
     @model_validator(mode="after")
     def _every_model_has_its_gpu(self) -> "AppConfig":

@@ -36,7 +36,8 @@ from .prometheus import render_metrics
 from .protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, SamplingFields, TokenizeRequest, _json_value,
                        _response_format)
 from .responses import create_response
-from .upstream import RouterStream, GroupLease, request_id
+from .router import Router
+from .upstream import GroupLease, InProcessRouter, RouterStream, request_id
 
 GROUP_HEADER = "x-specserve-group"
 """Request header: serve on this engine group (a GPU type), not the least-loaded one (tests, debugging one
@@ -83,9 +84,15 @@ MAX_CHOICES = 16
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, routers: list, groups: list[str], target: str, served_model_name: str,
-                 max_tokens_limit: int, max_stop_strings: int, max_resubmits: int = 2, resubmit_wait_s: float = 120.0,
-                 store=None, group_replicas: list[int] | None = None):
+    async def __init__(self, routers: list, groups: list[str], target: str, served_model_name: str,
+                       max_tokens_limit: int, max_stop_strings: int, max_resubmits: int = 2,
+                       resubmit_wait_s: float = 120.0, store=None, group_replicas: list[int] | None = None):
+        # routers: per group its Router deployment's handle, or {"in_process": Router's arguments} to host
+        # that Router here (`AppConfig.router_in_ingress`)
+        self.hosted = [await InProcessRouter.start(Router.func_or_class, *r["in_process"])
+                       for r in routers if isinstance(r, dict)]
+        hosted = iter(self.hosted)
+        routers = [next(hosted) if isinstance(r, dict) else r for r in routers]
         self.routers = dict(zip(groups, routers))
         self.replicas = dict(zip(groups, group_replicas or [1] * len(groups)))  # Router replicas per group
         self.down: set[str] = set()  # groups no Router replica answers for (their nodes gone): see _watch_groups
@@ -99,6 +106,16 @@ class OpenAIIngress:
         self.max_tokens_limit, self.max_stop_strings = max_tokens_limit, max_stop_strings
         self.api_key = os.environ.get("SPECSERVE_API_KEY") or None
         self.created = int(time.time())
+
+    async def check_health(self) -> None:
+        """Serve's health check: a Router hosted here is checked (and its workers repaired) as its own
+        deployment would be; one that keeps failing takes this replica down, and Serve replaces it whole."""
+        for r in self.hosted:
+            await r.router.check_health()
+
+    def __del__(self):
+        for r in getattr(self, "hosted", []):
+            r.router.__del__()
 
     # ---- endpoints ---------------------------------------------------------------------------
     @app.get("/healthz")
@@ -158,6 +175,13 @@ class OpenAIIngress:
         """Each engine group's step breakdown since the last call (`Router.breakdown`; one replica of each)."""
         names = list(self.routers)
         out = await asyncio.gather(*(self.routers[g].breakdown.remote() for g in names), return_exceptions=True)
+        return {g: ({"error": f"{type(b).__name__}: {b}"} if isinstance(b, BaseException) else b) for g, b in zip(names, out)}
+
+    async def stats(self) -> dict:
+        """Each engine group's `Router.stats()` (one replica of each): what a Router deployment's handle gives, also
+        where the ingress hosts the Router (`specserve stats`-like tools, tests)."""
+        names = list(self.routers)
+        out = await asyncio.gather(*(self.routers[g].stats.remote() for g in names), return_exceptions=True)
         return {g: ({"error": f"{type(b).__name__}: {b}"} if isinstance(b, BaseException) else b) for g, b in zip(names, out)}
 
     @app.get("/metrics")

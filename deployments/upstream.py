@@ -2,6 +2,7 @@
 (`RouterStream`), and the lease that counts it in flight and cancels it when the client leaves (`GroupLease`)."""
 
 import asyncio
+import inspect
 import logging
 import time
 import uuid
@@ -173,3 +174,70 @@ class GroupLease:
                 pass
 
         weakref.finalize(stream, collected).atexit = False  # at interpreter exit there is nothing to free
+
+
+class InProcessRouter:
+    """A Router object living in the ingress's own process, called the way its deployment handle is
+    (`router.method.remote(...)`, `router.options(stream=True).generate.remote(...)`), so the ingress's code is
+    the same for both layouts (`AppConfig.router_in_ingress`). Its events reach the SSE response without
+    crossing a Ray hop: each token otherwise costs a streamed item out of the Router's replica and into the
+    ingress's, on the cores the forward needs."""
+
+    def __init__(self, router):
+        self.router = router
+
+    @classmethod
+    async def start(cls, router_cls, *args) -> "InProcessRouter":
+        """Construct `router_cls` (the Router deployment's class; its __init__ is async) here."""
+        router = router_cls.__new__(router_cls)
+        await router_cls.__init__(router, *args)
+        return cls(router)
+
+    def options(self, **_) -> "InProcessRouter":
+        return self
+
+    def __getattr__(self, name: str) -> "_InProcessMethod":
+        return _InProcessMethod(getattr(self.router, name))
+
+
+class _InProcessMethod:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args, **kwargs):
+        """An awaitable for a method, an `InProcessStream` for an async generator (as a handle's response)."""
+        out = self.fn(*args, **kwargs)
+        if inspect.isasyncgen(out):
+            return InProcessStream(out)
+        if inspect.iscoroutine(out):
+            return asyncio.ensure_future(out)
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(out)
+        return done
+
+
+class InProcessStream:
+    """An in-process Router stream with a handle stream's `cancel()`: closing the generator runs the
+    Router's own cleanup (the engine aborts the request, freeing its batch slot and KV)."""
+
+    def __init__(self, agen):
+        self.agen = agen
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> dict:
+        return await self.agen.__anext__()
+
+    def cancel(self) -> None:
+        async def close():
+            # A task awaiting the next event is being cancelled too (the caller cancels it first): the
+            # generator is then still running until that task has unwound, so try again briefly.
+            for _ in range(100):
+                try:
+                    return await self.agen.aclose()
+                except RuntimeError:
+                    await asyncio.sleep(0.01)
+            log.warning("an in-process router stream did not close")
+
+        asyncio.ensure_future(close())

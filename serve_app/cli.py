@@ -107,7 +107,8 @@ def _parser() -> argparse.ArgumentParser:
                                       "through HTTP (vLLM from `make peer`)")
     bq.add_argument("--vllm-python", default=".peer-venv/bin/python", help="the interpreter that has vLLM (make peer)")
     bq.add_argument("--sides", default="specserve,specserve-none,vllm,vllm@float32,vllm-ngram",
-                    help="comma-separated: specserve (its defaults), specserve-none (--policy none), vllm, vllm-ngram "
+                    help="comma-separated: specserve (its defaults), specserve-none (--policy none), specserve-separate "
+                         "(--separate-router: the Router as its own deployment), vllm, vllm-ngram "
                          "(n-gram speculation, k = 3); a side may add @DTYPE to serve in another dtype than --dtype "
                          "(vllm@float32)")
     bq.add_argument("--concurrency", default="1,8,32", help="comma-separated requests in flight")
@@ -405,7 +406,9 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="start a local Ray cluster and serve the OpenAI-compatible HTTP endpoint")
     s.add_argument("--config", default=None, help="Serve config YAML (its first application's args); flags below are ignored")
     _model_args(s)
-    s.add_argument("--policy", default="adaptive", help="none | fixed:K | lut | adaptive")
+    s.add_argument("--policy", default="budget",
+                   help="none | fixed:K | lut | adaptive | budget (default: a length per row, from the step's prices; "
+                        "served here it beat adaptive at 1, 8 and 32 in flight, docs/benchmarks.md)")
     s.add_argument("--batch-size", type=int, default=32,
                    help="most requests decoded together; later ones wait (default %(default)s: the profile's largest "
                         "batch; at 8, 32 requests in flight ran 8 at a time)")
@@ -416,6 +419,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics export port of the local Ray node")
     s.add_argument("--access-log", action="store_true", help="log every request and internal call (off: errors and state changes only)")
+    s.add_argument("--separate-router", action="store_true",
+                   help="run the Router as its own deployment behind the ingress (by default the ingress hosts it: "
+                        "no Ray hop per streamed token; separate, a Router replica that dies resumes its requests "
+                        "on its replacement)")
     s.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on Ctrl-C / SIGTERM: seconds in-flight requests get to finish (new ones get 503)")
     s.add_argument("--target-gpus", type=float, default=None,
@@ -997,6 +1004,7 @@ def _app_config(args) -> dict:
         "profiles_dir": args.profiles_dir,
         "drain_timeout_s": args.drain_timeout,
         "access_log": args.access_log,
+        "router_in_ingress": not args.separate_router,
         "groups": [_gpu_group(args)],
     }
 

@@ -13,6 +13,7 @@ def test_a_side_may_serve_in_its_own_dtype():
     assert cmd[cmd.index("--dtype") + 1] == "float32" and "--speculative-config" in cmd
     ours = side_command("specserve-none", Path("/m"), "bfloat16", 8002, "", 32)
     assert ours[ours.index("--dtype") + 1] == "bfloat16" and ours[-2:] == ["--policy", "none"]
+    assert "--separate-router" not in ours and side_command("specserve-separate", Path("/m"), "bfloat16", 8003, "", 32)[-1] == "--separate-router"
 
 
 def _run(side, c, r, tps):

@@ -49,3 +49,15 @@ def test_the_draft_runs_one_torch_thread_unless_told():
     assert GroupConfig(draft_torch_threads=3).threads("draft") == 3
     with pytest.raises(ValidationError):
         GroupConfig(draft_torch_threads=-1)
+
+
+def test_serve_hosts_the_router_in_the_ingress_unless_told():
+    from serve_app.cli import _app_config
+
+    assert AppConfig(**_app_config(_parser().parse_args(["serve"]))).router_in_ingress
+    assert not AppConfig(**_app_config(_parser().parse_args(["serve", "--separate-router"]))).router_in_ingress
+    assert not AppConfig().router_in_ingress  # a Serve config file keeps its Router deployments unless it asks
+    with pytest.raises(ValidationError, match="exactly one group"):
+        AppConfig(router_in_ingress=True, groups=[{"name": "A"}, {"name": "B"}])
+    with pytest.raises(ValidationError, match="no ingress_resources"):
+        AppConfig(router_in_ingress=True, ingress_resources={"head": 0.001})

@@ -266,6 +266,55 @@ def test_a_group_that_never_comes_back_gives_503_after_the_wait():
     assert ended[-1]["status"] == 503 and "ended early" in ended[-1]["error"]
 
 
+class FakeRouter:
+    """A Router object as the ingress hosts it (`InProcessRouter`): an async __init__, a method and a stream."""
+
+    async def __init__(self, name):
+        self.name, self.closed = name, []
+
+    async def ready(self):
+        return {"ready": True, "name": self.name}
+
+    def max_model_len(self):
+        return 96
+
+    async def generate(self, ids, params, rid, stream, resume=None):
+        try:
+            for t in ids:
+                yield ev([t])
+            await asyncio.Event().wait()  # an engine request that goes on until the caller leaves
+        finally:
+            self.closed.append(rid)
+
+
+def test_a_router_in_the_ingress_is_called_as_its_handle_and_aborts_when_its_caller_leaves():
+    from deployments.upstream import InProcessRouter, RouterStream
+
+    async def main():
+        router = await InProcessRouter.start(FakeRouter, "D")
+        assert await router.ready.remote() == {"ready": True, "name": "D"} and await router.max_model_len.remote() == 96
+        rs = RouterStream(router, [5, 6], {}, "r1", True)
+        rs.start()
+        assert [(await rs.next())["token_ids"] for _ in range(2)] == [[5], [6]]
+        rs.cancel()  # the lease ends: nothing awaits the stream, so it closes at once
+        # a caller that leaves while a task of its own awaits the next event (an SSE pump): the task is cancelled
+        # first, and the stream closes once that task has unwound
+        second = RouterStream(router, [7], {}, "r2", True)
+        second.start()
+        await second.next()
+        pump = asyncio.ensure_future(second.next())
+        await asyncio.sleep(0.05)
+        pump.cancel()
+        second.cancel()
+        for _ in range(100):
+            if len(router.router.closed) == 2:
+                break
+            await asyncio.sleep(0.01)
+        return router.router.closed
+
+    assert asyncio.run(asyncio.wait_for(main(), 10)) == ["r1", "r2"]
+
+
 def test_engine_continues_a_request_another_engine_started(tiny_target, tiny_drafts, ref20):
     """What a Router does with the ingress's resume: the tokens count as generated, the stream goes on."""
     engine = make_engine(tiny_target, tiny_drafts["near"], "fixed:2")

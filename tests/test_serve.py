@@ -577,17 +577,75 @@ def eagle_client(service):
     serve.delete("eagle")
 
 
-def test_eagle3_head_across_actors_gives_the_target_alone_text(service, eagle_client, tmp_path):
+def target_alone(service, tmp_path) -> list[str]:
+    """PROMPTS' 16-token greedy texts from the target decoding alone (`specserve generate --policy none`)."""
     (tmp_path / "in.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS))
     assert cli_main(["generate", "--prompts", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "out.jsonl"),
                      "--target", service["model"]["target"], "--dtype", "float64", "--max-tokens", "16",
                      "--policy", "none"]) == 0
-    expected = [json.loads(x)["text"] for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    return [json.loads(x)["text"] for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+
+
+def test_eagle3_head_across_actors_gives_the_target_alone_text(service, eagle_client, tmp_path):
+    expected = target_alone(service, tmp_path)
     for p, text in zip(PROMPTS, expected):
         r = eagle_client.completions.create(model="tiny-eagle", prompt=p, max_tokens=16, temperature=0)
         assert r.choices[0].text == text and r.usage.completion_tokens == 16
     st = serve.get_deployment_handle("Router-E", "eagle").stats.remote().result()
     assert st["policy"] == "fixed:3" and st["k_steps"].get(3, 0) > 0  # it speculated, with the head's proposals
+
+
+@pytest.fixture(scope="module")
+def direct(service):
+    """An app whose ingress hosts its one group's Router (`AppConfig.router_in_ingress`, what `specserve serve`
+    deploys): tokens reach the HTTP response with no Ray hop between deployments."""
+    from deployments.app import build_app
+
+    cfg = {
+        "model": service["model"], "engine": {"policy": "fixed:2", "max_batch_size": 2, "max_model_len": 96},
+        "groups": [{"name": "D", "gpu_type": "D", "torch_threads": 1}], "router_in_ingress": True,
+        "served_model_name": "tiny-direct", "profiles_dir": None, "max_tokens_limit": 96, "health_check_period_s": 1,
+    }
+    serve.run(build_app(cfg), name="direct", route_prefix="/direct")
+    yield {"url": f"{service['url']}/direct",
+           "client": OpenAI(base_url=f"{service['url']}/direct/v1", api_key="unused", max_retries=0, timeout=120)}
+    serve.delete("direct")
+
+
+def test_router_in_the_ingress_streams_the_target_alone_text_with_no_router_deployment(service, direct, tmp_path):
+    expected = target_alone(service, tmp_path)
+    client = direct["client"]
+    with ThreadPoolExecutor(3) as pool:  # more requests than the batch holds: one waits, then joins
+        streamed = list(pool.map(lambda p: "".join(
+            c.choices[0].text for c in client.completions.create(model="tiny-direct", prompt=p, max_tokens=16,
+                                                                  temperature=0, stream=True)), PROMPTS))
+    assert streamed == expected
+    whole = client.completions.create(model="tiny-direct", prompt=PROMPTS[0], max_tokens=16, temperature=0)
+    assert whole.choices[0].text == expected[0] and whole.usage.completion_tokens == 16
+    deployments = serve.status().applications["direct"].deployments
+    assert "OpenAIIngress" in deployments and not any(name.startswith("Router") for name in deployments)
+    assert httpx.get(f"{direct['url']}/readyz", timeout=30).status_code == 200
+    split = serve.get_deployment_handle("OpenAIIngress", "direct").breakdown.remote().result()
+    assert split["D"]["steps"] > 0  # `specserve breakdown` reads the hosted Router's steps through the ingress
+
+
+def test_router_in_the_ingress_aborts_a_stream_its_client_leaves(service, direct):
+    """Both batch places taken by streams whose clients leave after their first chunk: the hosted Router counts
+    them as 499 and frees their places, so a third request is served at once, not after their 90 tokens."""
+    before = requests_by_status(service, "D").get("499", 0)
+    body = {"model": "tiny-direct", "prompt": PROMPTS[0], "max_tokens": 90, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        for _ in range(2):
+            with http.stream("POST", f"{direct['url']}/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                next(r.iter_lines())  # the first chunk came; leave
+    t0 = time.monotonic()
+    r = direct["client"].completions.create(model="tiny-direct", prompt=PROMPTS[1], max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 4
+    deadline = time.monotonic() + 30
+    while requests_by_status(service, "D").get("499", 0) < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert requests_by_status(service, "D").get("499", 0) == before + 2, time.monotonic() - t0
 
 
 def test_a_replica_with_no_usable_profile_measures_one_at_startup_and_drafts_per_row(service, tmp_path):

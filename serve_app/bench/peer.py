@@ -28,7 +28,7 @@ from serve_app.bench.prompt_sets import BENCH_PROMPTS, CREATIVE_PROMPTS, MORE_CH
 from serve_app.bench.rounds import fmt_paired, paired_ratio, rotated
 from serve_app.bench.service import free_port, server
 
-SIDES = ("specserve", "specserve-none", "vllm", "vllm-ngram")
+SIDES = ("specserve", "specserve-none", "specserve-separate", "vllm", "vllm-ngram")
 MODES = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 0.7, "top_p": 0.9}}
 
 
@@ -60,7 +60,9 @@ def side_command(side: str, model_dir: Path, dtype: str, port: int, vllm_python:
     if side.startswith("specserve"):
         flags = ["--dtype", dtype, "--batch-size", str(max_batch), "--port", str(port), "--drain-timeout", "1",
                  "--metrics-port", str(free_port())]
-        return [sys.executable, "-m", "serve_app.cli", "serve", *flags, *(["--policy", "none"] if side.endswith("none") else [])]
+        flags += ["--policy", "none"] if side.endswith("none") else []
+        flags += ["--separate-router"] if side.endswith("separate") else []  # the Router as its own deployment
+        return [sys.executable, "-m", "serve_app.cli", "serve", *flags]
     cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--dtype", dtype,
            "--max-model-len", "4096", "--port", str(port), "--max-num-seqs", str(max_batch),
            "--served-model-name", "peer", "--gpu-memory-utilization", "0.3"]  # on a CPU: the share of RAM it reserves
