@@ -35,6 +35,7 @@ def build_app(args: dict | None = None) -> Application:
                if cfg.model.prompt_lookup and cfg.model.history_tokens else None)
     routers = []
     replicas = [g.num_replicas for g in cfg.groups]
+    ingress = pinned
     for g in cfg.groups:
         actor_options: dict = {"num_cpus": 0}
         if g.accelerator_type:
@@ -45,8 +46,8 @@ def build_app(args: dict | None = None) -> Application:
                 history)
         if cfg.router_in_ingress:  # the ingress hosts the Router: it takes the group's replicas and placement
             routers.append({"in_process": args})
-            pinned = {"num_replicas": g.num_replicas, "ray_actor_options": actor_options,
-                      "health_check_period_s": cfg.health_check_period_s, "health_check_timeout_s": 60}
+            ingress = {"num_replicas": g.num_replicas, "ray_actor_options": actor_options,
+                       "health_check_period_s": cfg.health_check_period_s, "health_check_timeout_s": 60}
             replicas = [1]  # per ingress replica, its own Router
             continue
         routers.append(
@@ -56,7 +57,7 @@ def build_app(args: dict | None = None) -> Application:
                 logging_config=logs,
             ).bind(*args)
         )
-    return OpenAIIngress.options(graceful_shutdown_timeout_s=cfg.drain_timeout_s, logging_config=logs, **pinned).bind(
+    return OpenAIIngress.options(graceful_shutdown_timeout_s=cfg.drain_timeout_s, logging_config=logs, **ingress).bind(
         routers, [g.name for g in cfg.groups], cfg.model.target, served_name(cfg),
         cfg.max_tokens_limit, cfg.engine.max_stop_strings, cfg.engine.max_resumes, cfg.replica_wait_s, store,
         replicas,

@@ -173,15 +173,17 @@ class OpenAIIngress:
 
     async def breakdown(self) -> dict:
         """Each engine group's step breakdown since the last call (`Router.breakdown`; one replica of each)."""
-        names = list(self.routers)
-        out = await asyncio.gather(*(self.routers[g].breakdown.remote() for g in names), return_exceptions=True)
-        return {g: ({"error": f"{type(b).__name__}: {b}"} if isinstance(b, BaseException) else b) for g, b in zip(names, out)}
+        return await self._each_group("breakdown")
 
     async def stats(self) -> dict:
         """Each engine group's `Router.stats()` (one replica of each): what a Router deployment's handle gives, also
         where the ingress hosts the Router (`specserve stats`-like tools, tests)."""
+        return await self._each_group("stats")
+
+    async def _each_group(self, method: str) -> dict:
+        """One Router replica's `method()` per group; a group that fails gives {"error": ...}."""
         names = list(self.routers)
-        out = await asyncio.gather(*(self.routers[g].stats.remote() for g in names), return_exceptions=True)
+        out = await asyncio.gather(*(getattr(self.routers[g], method).remote() for g in names), return_exceptions=True)
         return {g: ({"error": f"{type(b).__name__}: {b}"} if isinstance(b, BaseException) else b) for g, b in zip(names, out)}
 
     @app.get("/metrics")

@@ -625,8 +625,10 @@ def test_router_in_the_ingress_streams_the_target_alone_text_with_no_router_depl
     deployments = serve.status().applications["direct"].deployments
     assert "OpenAIIngress" in deployments and not any(name.startswith("Router") for name in deployments)
     assert httpx.get(f"{direct['url']}/readyz", timeout=30).status_code == 200
-    split = serve.get_deployment_handle("OpenAIIngress", "direct").breakdown.remote().result()
-    assert split["D"]["steps"] > 0  # `specserve breakdown` reads the hosted Router's steps through the ingress
+    ingress = serve.get_deployment_handle("OpenAIIngress", "direct")
+    assert ingress.breakdown.remote().result()["D"]["steps"] > 0  # `specserve breakdown` reads them through the ingress
+    st = ingress.stats.remote().result()["D"]
+    assert st["policy"] == "fixed:2" and st["k_steps"].get(2, 0) > 0  # the hosted Router speculated
 
 
 def test_router_in_the_ingress_aborts_a_stream_its_client_leaves(service, direct):
