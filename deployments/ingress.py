@@ -89,10 +89,9 @@ class OpenAIIngress:
                        resubmit_wait_s: float = 120.0, store=None, group_replicas: list[int] | None = None):
         # routers: per group its Router deployment's handle, or {"in_process": Router's arguments} to host
         # that Router here (`AppConfig.router_in_ingress`)
-        self.hosted = [await InProcessRouter.start(Router.func_or_class, *r["in_process"])
-                       for r in routers if isinstance(r, dict)]
-        hosted = iter(self.hosted)
-        routers = [next(hosted) if isinstance(r, dict) else r for r in routers]
+        routers = [await InProcessRouter.start(Router.func_or_class, *r["in_process"]) if isinstance(r, dict) else r
+                   for r in routers]
+        self.hosted = [r for r in routers if isinstance(r, InProcessRouter)]
         self.routers = dict(zip(groups, routers))
         self.replicas = dict(zip(groups, group_replicas or [1] * len(groups)))  # Router replicas per group
         self.down: set[str] = set()  # groups no Router replica answers for (their nodes gone): see _watch_groups

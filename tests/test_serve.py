@@ -633,7 +633,7 @@ def test_router_in_the_ingress_streams_the_target_alone_text_with_no_router_depl
 
 def test_router_in_the_ingress_aborts_a_stream_its_client_leaves(service, direct):
     """Both batch places taken by streams whose clients leave after their first chunk: the hosted Router counts
-    them as 499 and frees their places, so a third request is served at once, not after their 90 tokens."""
+    both as 499 (its engine stream closed, which aborts the request), and a third request is then served."""
     before = requests_by_status(service, "D").get("499", 0)
     body = {"model": "tiny-direct", "prompt": PROMPTS[0], "max_tokens": 90, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as http:
@@ -641,13 +641,12 @@ def test_router_in_the_ingress_aborts_a_stream_its_client_leaves(service, direct
             with http.stream("POST", f"{direct['url']}/v1/completions", json=body) as r:
                 assert r.status_code == 200
                 next(r.iter_lines())  # the first chunk came; leave
-    t0 = time.monotonic()
     r = direct["client"].completions.create(model="tiny-direct", prompt=PROMPTS[1], max_tokens=4, temperature=0)
     assert r.usage.completion_tokens == 4
     deadline = time.monotonic() + 30
     while requests_by_status(service, "D").get("499", 0) < before + 2 and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert requests_by_status(service, "D").get("499", 0) == before + 2, time.monotonic() - t0
+    assert requests_by_status(service, "D").get("499", 0) == before + 2
 
 
 def test_a_replica_with_no_usable_profile_measures_one_at_startup_and_drafts_per_row(service, tmp_path):
