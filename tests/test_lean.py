@@ -1,5 +1,6 @@
 """The lean Llama forward (engine/lean.py) gives the bits transformers' wrapped forward gives, features included,
-and only stock Llama decoders take it."""
+with torch's small ops (the C ones, `decoder_ops`, are torch's to rounding: tests/test_decoder_ops.py), and only
+stock Llama decoders take it."""
 
 import copy
 
@@ -9,7 +10,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from conftest import tiny_llama
 from serve_app.config import SamplingParams
-from serve_app.engine import lean
+from serve_app.engine import decoder_ops, lean
 from serve_app.engine.worker import ModelWorker
 
 
@@ -33,7 +34,8 @@ def _steps(worker: ModelWorker, features: bool) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("features", [False, True], ids=["logits", "features"])
-def test_lean_forward_is_bit_for_bit_the_wrapped_one(dtype, features):
+def test_lean_forward_is_bit_for_bit_the_wrapped_one(dtype, features, monkeypatch):
+    monkeypatch.setattr(decoder_ops, "ON", False)
     model = tiny_llama(64, layers=2, dtype=dtype, seed=4)
     fast, slow = ModelWorker(model, "target"), ModelWorker(copy.deepcopy(model), "target")
     assert fast.lean and slow.lean

@@ -230,6 +230,26 @@ def test_budget_plans_by_price_and_learns_from_outcomes():
     assert not pol.choose(BatchState(8, 6, False))
 
 
+def test_budget_runs_plain_where_its_speculating_steps_lose_to_plain_ones():
+    """The prices say speculate (acceptance 0.9); the steps that did made fewer tokens than k = 0 steps would have
+    in their time (the Router's regret table, served at 8 in flight on 2 cores): that batch size runs plain but for
+    probes, until speculating steps pay again. Other batch sizes keep their own record."""
+    pol = Budget(hand_grid(), 0.9, probe_every=16)
+    at8 = lambda: pol.choose(BatchState(8, 4, True, tuple("abcdefgh")))
+    assert isinstance(at8(), DraftPlan)
+    for _ in range(10):  # 10 tokens in 40 ms where plain steps make 8 in 20 (the grid): 16 in that time
+        pol.observe(StepStats(batch_size=8, k=1, proposed=8, generated=10, verify_s=0.040))
+        assert pol.losing(8) == (pol._guard[8][2] >= 8)
+    choices = [at8() for _ in range(128)]  # probes a quarter as often as elsewhere: every 64th step
+    assert choices.count(0) == 126 and all(isinstance(c, DraftPlan) and c.explore for c in choices if c)
+    assert not pol.losing(1) and isinstance(pol.choose(BatchState(1, 4, True, ("x",))), DraftPlan)
+    pol.observe(StepStats(batch_size=8, k=1, proposed=8, generated=100, verify_s=0.040, prefill_tokens=64))
+    assert pol.losing(8)  # a step that also prefilled prices its chunk: not judged
+    for _ in range(40):  # speculating steps that pay: 20 tokens in 25 ms where plain ones make 10
+        pol.observe(StepStats(batch_size=8, k=2, proposed=16, generated=20, verify_s=0.025))
+    assert not pol.losing(8) and isinstance(at8(), DraftPlan)
+
+
 def test_budget_speculates_where_its_best_uniform_k_pays():
     """Whether a step speculates at all read a geometric acceptance (a^i at position i) while the step's worth
     read it per position: drafts that got going keep agreeing (a document's), so a per-token a of 2/3 undersold

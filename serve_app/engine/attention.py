@@ -118,15 +118,9 @@ def gather_attend(q, k_pool, v_pool, groups: list[Group], scaling) -> torch.Tens
     # q [T, H, D]; k_pool, v_pool [slots, kv_heads, D] -> [T, H, D]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     gqa = q.shape[1] != k_pool.shape[1]
-    wide = None  # a bfloat16 model's queries and the kernel's results in float32 (the kernel's arithmetic)
     for g in groups:  # index_select, not [index]: whole rows copied, not element by element (3-5x faster)
-        if _kernel_fits(q, k_pool, v_pool, g):
-            if q.dtype == torch.float32:
-                _kernel_attend(q, k_pool, v_pool, g, scaling, out)
-            else:
-                wide = wide or (q.float(), torch.empty(q.shape, dtype=torch.float32))
-                _kernel_attend(wide[0], k_pool, v_pool, g, scaling, wide[1])
-                out.index_copy_(0, g.at, wide[1].index_select(0, g.at).to(q.dtype))
+        if _kernel_fits(q, k_pool, v_pool, g):  # writes its rows of out in place
+            _kernel_attend(q, k_pool, v_pool, g, scaling, out)
             continue
         qg = _rows(q, g.q_index).transpose(1, 2)  # [B, H, T, D]
         kg = _rows(k_pool, g.kv_slots).transpose(1, 2)  # [B, kv_heads, L, D]: the copy this backend makes
@@ -161,8 +155,8 @@ baseline: SDPA on the gathered copy)."""
 
 
 def _kernel_fits(q, k_pool, v_pool, g: Group) -> bool:
-    """A group of short rows (not a prompt's plain-causal chunk) on the CPU in float32 or bfloat16 (keys and values
-    read as they are, widened in registers): the C kernel's."""
+    """A group of short rows (not a prompt's plain-causal chunk) on the CPU in float32 or bfloat16 (queries, keys and
+    values read as they are, widened in registers; results rounded to the dtype): the C kernel's."""
     return KERNEL_ON and g.spans is not None and g.q_index.shape[1] <= SHORT_ROW and q.device.type == "cpu" \
         and q.dtype == k_pool.dtype == v_pool.dtype and q.dtype in (torch.float32, torch.bfloat16) and q.stride(2) == 1 \
         and k_pool.is_contiguous() and v_pool.is_contiguous() and q.shape[2] % 8 == 0 and _kernel() is not None

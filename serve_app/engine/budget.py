@@ -10,7 +10,9 @@ with the live acceptance). The draft then gives each row tokens while they are w
 acceptance chance by a curve learned online from what the target accepted (`ConfidenceCurve`, one for the
 model draft, one for tokens copied by prompt lookup), and corrected by each request's own record
 (`RequestRecord.scale`). A row whose drafts keep failing drafts nothing; a step where nothing is worth the
-fixed cost speculates not at all (probing now and then, as `adaptive` does).
+fixed cost speculates not at all (probing now and then, as `adaptive` does). And where the prices and the outcome
+disagree, the outcome wins: a batch size whose speculating steps keep making fewer tokens than plain steps would
+have made in their time runs plain, probing (`losing`).
 
 Greedy stays identical and sampling exact whatever lengths result (the walk decides on the draft's
 distribution, never on the token it drew); only a few numbers per row go to the draft's actor.
@@ -34,6 +36,19 @@ position's acceptance starts from."""
 
 POSITION_FADE = 0.5 ** (1 / 64.0)
 """Per row judged at a position, older outcomes there weigh this much less: about the last 64 rows count."""
+
+GUARD_FADE = 0.5 ** (1 / 32.0)
+"""Per speculating step at a batch size, older steps weigh this much less in its guard: about the last 32 count."""
+
+GUARD_STEPS = 8.0
+"""Speculating steps' worth (faded) a batch size's guard waits for before it judges."""
+
+GUARD_PROBE_BACKOFF = 4
+"""Where a batch size's guard holds its steps at k = 0, probes come this many times less often."""
+
+GUARD_MARGIN = 0.97
+"""A batch size's speculating steps must have made at least this share of the tokens plain steps would have made
+in their time, or its steps run at k = 0 (probes aside)."""
 
 
 @dataclass(frozen=True)
@@ -224,6 +239,9 @@ class Budget:
         self._prices: dict[tuple, Prices] = {}  # (batch size, context bucket) -> prices
         self._step_ms: dict[tuple, list[float]] = {}  # (batch size, context bucket) -> the grid's step per k
         self._steps = 0
+        # the guard, per profiled batch size: faded [tokens made, tokens plain steps would have made in the same
+        # time, steps] over the steps that speculated there (`losing`)
+        self._guard: dict[int, list[float]] = {}
 
     @property
     def acceptance_estimate(self) -> float:
@@ -302,8 +320,12 @@ class Budget:
         token_value = rate * p.token_ms
         # every probe_every-th step every row drafts at least one token, whatever the prices say: the curve
         # and the requests' records keep learning where they would otherwise never draft
-        probe = bool(self.probe_every) and self._steps % self.probe_every == 0
-        if not probe and not self.worth_it(b, state.max_k, [r.scale for r in recs], rate, p):
+        losing = self.losing(b)
+        # a batch size whose speculating steps lose probes a quarter as often: a probe there pays the draft's
+        # catch-up over every row's tokens since the last one, and verifies drafts that mostly fail
+        every = self.probe_every * (GUARD_PROBE_BACKOFF if losing else 1)
+        probe = bool(every) and self._steps % every == 0
+        if not probe and (losing or not self.worth_it(b, state.max_k, [r.scale for r in recs], rate, p)):
             return 0
         return DraftPlan(caps=[max(state.max_k, state.max_copy)] * b, token_value=token_value, forward_value=rate * p.forward_fixed_ms,
                          row_value=rate * p.forward_row_ms,
@@ -328,7 +350,38 @@ class Budget:
                 return True
         return False
 
+    def losing(self, batch_size: int) -> bool:
+        """Whether this batch size's recent speculating steps made fewer tokens than plain steps would have in
+        their time (the calibrated grid's k = 0 step, as the Router's regret table prices it), by more than
+        GUARD_MARGIN. The prices above are a model of the step; this is its outcome: where they disagree (a draft
+        forward dearer beside the target than profiled, verification wider than a line says), the outcome wins
+        and the steps there run plain, probing every `probe_every` steps to find out when speculating pays again."""
+        made, plain, steps = self._guard.get(self._group(batch_size), (0.0, 0.0, 0.0))
+        return steps >= GUARD_STEPS and made < GUARD_MARGIN * plain
+
+    def _group(self, batch_size: int) -> int:
+        return min(self.grid.batch_sizes, key=lambda g: (abs(g - batch_size), g))
+
+    def _judge(self, stats: StepStats) -> None:
+        """A decoding step's outcome into its batch size's guard (a step that speculated; prefill steps price
+        their chunks, not k)."""
+        ms = 1000.0 * (stats.draft_s + stats.verify_s + stats.other_s)
+        if not stats.proposed or not stats.batch_size or stats.prefill_tokens or stats.admitted or ms <= 0:
+            return
+        b = stats.batch_size
+        if 0 not in self.grid.ks:
+            return
+        key = (b, None)
+        if key not in self._step_ms:
+            self._step_ms[key] = self.grid.step_ms(b)
+        plain_rate = b / self._step_ms[key][self.grid.ks.index(0)]  # tokens per ms at k = 0
+        g = self._guard.setdefault(self._group(b), [0.0, 0.0, 0.0])
+        g[0] = g[0] * GUARD_FADE + stats.generated
+        g[1] = g[1] * GUARD_FADE + ms * plain_rate
+        g[2] = g[2] * GUARD_FADE + 1.0
+
     def observe(self, stats: StepStats) -> None:
+        self._judge(stats)
         rows = stats.rows
         if rows is None:
             return

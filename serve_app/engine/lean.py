@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from transformers.models.llama import modeling_llama as llama
 
+from serve_app.engine import decoder_ops
 from serve_app.engine.packing import FusedPart
 
 
@@ -47,29 +48,59 @@ def forward(model, ids: torch.Tensor, pos: torch.Tensor, batch, index: torch.Ten
     h = decoder.embed_tokens(ids)  # [T, hidden]
     cos, sin = decoder.rotary_emb(h, pos[None])  # [1, T, D] each, in h's dtype
     half = cos.shape[-1] // 2
-    cos = cos[0, :, None]  # [T, 1, D]
-    sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)[:, None]  # rotate_half's sign on sin
-    n_layers = len(decoder.layers)
-    for i, layer in enumerate(decoder.layers):
+    cos = cos[0]  # [T, D]
+    sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # rotate_half's sign on sin
+    ops = decoder_ops.fits(h) and model.config.hidden_act == "silu"
+    layers = decoder.layers
+    x = None  # with ops: the next layer's normed input, computed with the residual add that ends a layer
+    for i, layer in enumerate(layers):
         if capture is not None and i in capture:
             capture[i] = h
-        h = h + _attention(layer.self_attn, layer.input_layernorm(h), cos, sin, half, batch, cache)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    if capture is not None and n_layers in capture:
-        capture[n_layers] = h
+        if not ops:
+            h = h + _attention(layer.self_attn, layer.input_layernorm(h), cos, sin, half, batch, cache, False)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            continue
+        if x is None:
+            x = decoder_ops.add_rms_norm(h, None, *_norm(layer.input_layernorm))[1]
+        a = _attention(layer.self_attn, x, cos, sin, half, batch, cache, True)
+        h, x = decoder_ops.add_rms_norm(h, a, *_norm(layer.post_attention_layernorm))
+        m = _mlp(layer.mlp, x)
+        if i + 1 < len(layers):
+            h, x = decoder_ops.add_rms_norm(h, m, *_norm(layers[i + 1].input_layernorm))
+        else:
+            h = h + m
+    if capture is not None and len(layers) in capture:
+        capture[len(layers)] = h
     return decoder.norm(h[index])
 
 
-def _attention(attn, x: torch.Tensor, cos, sin, half: int, batch, cache) -> torch.Tensor:  # x [T, hidden]
+def _norm(norm) -> tuple[torch.Tensor, float]:
+    return norm.weight, norm.variance_epsilon
+
+
+def _attention(attn, x: torch.Tensor, cos, sin, half: int, batch, cache, ops: bool) -> torch.Tensor:  # x [T, hidden]
     t, d = x.shape[0], attn.head_dim
     heads = attn.config.num_attention_heads
-    qkv = _qkv(attn, x).view(t, -1, d)  # [T, H + 2 KV, D]
+    qkv = _qkv(attn, x).view(t, -1, d)  # [T, H + 2 KV, D], a new tensor
     kv_heads = (qkv.shape[1] - heads) // 2
-    qk = qkv[:, :heads + kv_heads]  # queries and keys: one rotary for both
-    qk = qk * cos + torch.cat([qk[..., half:], qk[..., :half]], dim=-1) * sin
-    cache.write(attn.layer_idx, qk[:, heads:], qkv[:, heads + kv_heads:], batch.slots)
+    if ops and d % 16 == 0:  # queries and keys rotated in place, in one pass
+        decoder_ops.rotary(qkv, heads + kv_heads, cos, sin)
+        qk = qkv
+    else:  # queries and keys: one rotary for both
+        qk = qkv[:, :heads + kv_heads]
+        qk = qk * cos[:, None] + torch.cat([qk[..., half:], qk[..., :half]], dim=-1) * sin[:, None]
+    cache.write(attn.layer_idx, qk[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:], batch.slots)
     out = cache.attend(attn.layer_idx, qk[:, :heads], batch.layout, attn.scaling)  # [T, H, D]
     return attn.o_proj(out.reshape(t, heads * d))
+
+
+def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+    """down(silu(gate(x)) * up(x)), gate and up in one product when packing fused them."""
+    if isinstance(mlp.gate_proj, FusedPart) and mlp.gate_proj.fused is getattr(mlp.up_proj, "fused", None):
+        gate_up = mlp.gate_proj.fused.whole(x)
+    else:
+        gate_up = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1)
+    return mlp.down_proj(decoder_ops.silu_mul(gate_up))
 
 
 def _qkv(attn, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, (H + 2 KV) * D]

@@ -6,9 +6,9 @@
  * Here one work item is (row, key-value head): its keys are read once from their blocks for all the
  * queries that share them (the row's fed tokens x the heads of the group), then its values once.
  *
- * q[t][h][d] (strides qs_t, qs_h), pools [slots][KV][D] contiguous, out [T][H][D] contiguous; q and out float32,
- * the pools float32 or bfloat16 (kv_bf16: a bfloat16 model's pools, widened to float32 in registers as read, so
- * its keys and values need no float32 copy).
+ * q[t][h][d] (strides qs_t, qs_h), pools [slots][KV][D] contiguous, out [T][H][D] contiguous; all float32, or
+ * all bfloat16 (bf16: a bfloat16 model's queries and pools, widened to float32 in registers as read, so they need
+ * no float32 copy; each output rounded to bfloat16 as torch's cast of the float32 result would).
  * rows[b] = (offset, n, start): row b's queries are packed tokens offset .. offset + n - 1 at positions
  * start .. start + n - 1; query i sees keys at positions 0 .. start + i. tables[b][p / bs] is the pool block
  * holding position p. D is a multiple of 8.
@@ -72,14 +72,25 @@ static inline __attribute__((always_inline)) __m256 load8(const void *pool, long
 #define DOT(u) a##u = _mm256_fmadd_ps(qd, load8(kp, k##u + d, bf16), a##u);
 /* Named accumulators, not an array: GCC keeps an array of vectors in memory and stores it every step. */
 #define VFMA(c) if (w8 > 8 * c) a##c = _mm256_fmadd_ps(p, load8(vp, v + 8 * c, bf16), a##c);
-#define VPUT(c) if (w8 > 8 * c) _mm256_storeu_ps(o + d + 8 * c, _mm256_mul_ps(a##c, inv));
+#define VPUT(c) if (w8 > 8 * c) store8(out, o + d + 8 * c, _mm256_mul_ps(a##c, inv), bf16);
+
+/* 8 float32 results to element i of a float32 or (bf16) bfloat16 output, rounded to nearest even (torch's cast). */
+static inline __attribute__((always_inline)) void store8(void *out, long i, __m256 f, int bf16) {
+    if (!bf16) { _mm256_storeu_ps((float *)out + i, f); return; }
+    __m256i u = _mm256_castps_si256(f);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    u = _mm256_blendv_epi8(u, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(u, u), 0xD8);
+    _mm_storeu_si128((__m128i *)((uint16_t *)out + i), _mm256_castsi256_si128(packed));
+}
 
 /* One (row, kv head): the Q = n * G queries that read these keys. s: scratch [Q][L] scores, then weights.
  * Scores go 8 keys at a time: 8 independent FMA chains per query, one reduction for the 8 (a key past a
  * query's own position gets a score it never reads). Inlined into the two calls below, one per pool type. */
 static inline __attribute__((always_inline)) void item(
-        const float *q, long qs_t, long qs_h, const void *kp, const void *vp, long off, long n, long start,
-        const int64_t *table, long bs, long H, long KV, long D, long j, float scale, float *out, float *s, int bf16) {
+        const void *q, long qs_t, long qs_h, const void *kp, const void *vp, long off, long n, long start,
+        const int64_t *table, long bs, long H, long KV, long D, long j, float scale, void *out, float *s, int bf16) {
     const long G = H / KV, Q = n * G, L = start + n;
     const __m256 sc = _mm256_set1_ps(scale);
     long *at = (long *)(s + ((Q * L + Q + 1) & ~1L));  /* [L] where position l's keys and values start in the pools */
@@ -87,10 +98,10 @@ static inline __attribute__((always_inline)) void item(
     for (long l = 0; l < L; l += 8) {
         KEY(0) KEY(1) KEY(2) KEY(3) KEY(4) KEY(5) KEY(6) KEY(7)
         for (long i = 0; i < Q; i++) {
-            const float *qq = q + (off + i / G) * qs_t + (j * G + i % G) * qs_h;
+            const long qq = (off + i / G) * qs_t + (j * G + i % G) * qs_h;
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
             for (long d = 0; d < D; d += 8) {
-                const __m256 qd = _mm256_loadu_ps(qq + d);
+                const __m256 qd = load8(q, qq + d, bf16);
                 DOT(0) DOT(1) DOT(2) DOT(3) DOT(4) DOT(5) DOT(6) DOT(7)
             }
             float v[8];
@@ -121,7 +132,7 @@ static inline __attribute__((always_inline)) void item(
     for (long i = 0; i < Q; i++) {  /* values: 64 of a query's outputs at a time, summed in registers */
         const long t = i / G, len = start + t + 1;
         const float *w = s + i * L;
-        float *o = out + ((off + t) * H + j * G + i % G) * D;
+        const long o = ((off + t) * H + j * G + i % G) * D;
         const __m256 inv = _mm256_set1_ps(1.0f / sums[i]);
         for (long d = 0; d < D; d += 64) {
             const long w8 = D - d < 64 ? D - d : 64;
@@ -136,9 +147,9 @@ static inline __attribute__((always_inline)) void item(
     }
 }
 
-void paged_attention(const float *q, long qs_t, long qs_h, const void *kp, const void *vp, const int64_t *rows,
+void paged_attention(const void *q, long qs_t, long qs_h, const void *kp, const void *vp, const int64_t *rows,
                      long B, const int64_t *tables, long tab_stride, long bs, long H, long KV, long D, float scale,
-                     float *out, int threads, int kv_bf16) {
+                     void *out, int threads, int bf16) {
     long most = 0;
     for (long b = 0; b < B; b++) {
         const long n = rows[3 * b + 1], L = rows[3 * b + 2] + n, need = n * (H / KV) * (L + 1) + 2 * L + 2;
@@ -151,7 +162,7 @@ void paged_attention(const float *q, long qs_t, long qs_h, const void *kp, const
         for (long w = 0; w < B * KV; w++) {
             const long b = w / KV;
             const long off = rows[3 * b], n = rows[3 * b + 1], start = rows[3 * b + 2];
-            if (kv_bf16)
+            if (bf16)
                 item(q, qs_t, qs_h, kp, vp, off, n, start, tables + b * tab_stride, bs, H, KV, D, w % KV, scale, out, s, 1);
             else
                 item(q, qs_t, qs_h, kp, vp, off, n, start, tables + b * tab_stride, bs, H, KV, D, w % KV, scale, out, s, 0);

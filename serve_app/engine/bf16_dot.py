@@ -1,0 +1,75 @@
+"""bfloat16 products with the CPU's bfloat16 dot product (AVX512-BF16, `bf16_dot.c`), for a bfloat16 model's linears.
+
+oneDNN packs bfloat16 weights on these CPUs too, but streams a decode step's weights at about 60% of what the
+memory gives (the C file has the figures); this kernel reads them in the order they are stored and is
+batch-invariant. Compiled on first use (`ckernels`); where the CPU lacks AVX512-BF16 or there is no compiler,
+`available()` is False and packing keeps oneDNN. `SPECSERVE_BF16_DOT=0` switches it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from serve_app.engine import ckernels
+
+SOURCE = Path(__file__).with_suffix(".c")
+BLOCK = 16
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    from serve_app.hardware import cpu_flags
+
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags():
+        return None
+    c_long, ptr = ctypes.c_long, ctypes.c_void_p
+    return ckernels.kernel(SOURCE, "SPECSERVE_BF16_DOT",
+                           {"bf16_dot": [ptr, c_long, c_long, c_long, ptr, c_long, ptr, ptr, c_long, ctypes.c_int]})
+
+
+def available() -> bool:
+    """The kernel runs on this CPU (AVX512-BF16, a C compiler on first use)."""
+    return _library() is not None
+
+
+class Pairs(NamedTuple):
+    """Weights packed for the kernel: bfloat16 in blocks of 16 outputs and pairs of k ([N / 16, K / 2, 16, 2],
+    zero-padded outputs)."""
+
+    blocks: torch.Tensor
+    out_features: int
+    in_features: int
+
+
+def fits(weight: torch.Tensor) -> bool:
+    """A bfloat16 weight [N, K] the kernel takes (K even), on a CPU where it runs."""
+    return weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % 2 == 0 and available()
+
+
+def to_pairs(weight: torch.Tensor) -> Pairs:  # [N, K] bfloat16
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // BLOCK) * BLOCK, k, dtype=torch.bfloat16)
+    padded[:n] = weight.detach()
+    return Pairs(padded.view(-1, BLOCK, k // 2, 2).transpose(1, 2).contiguous().view(torch.int16), n, k)
+
+
+def linear(x: torch.Tensor, pairs: Pairs, bias: torch.Tensor | None) -> torch.Tensor:  # [..., K] -> [..., N]
+    """x (bfloat16) times the weight packed in `pairs` (`to_pairs`), plus bias, in bfloat16 (float32 sums)."""
+    n, k = pairs.out_features, pairs.in_features
+    if x.shape[-1] != k:
+        raise RuntimeError(f"linear: input of {x.shape[-1]} features for a weight of {[n, k]}")
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1 or rows.stride(0) % 2 or rows.storage_offset() % 2:  # k pairs read as 32-bit words
+        rows = rows.contiguous()
+    if bias is not None:  # read in whole blocks
+        bias = torch.nn.functional.pad(bias.detach().float(), (0, pairs.blocks.shape[0] * BLOCK - n)).contiguous()
+    y = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+    if rows.shape[0]:
+        _library().bf16_dot(rows.data_ptr(), rows.shape[0], k, rows.stride(0), pairs.blocks.data_ptr(), n,
+                            None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
+    return y.view(*x.shape[:-1], n)
