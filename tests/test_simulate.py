@@ -362,8 +362,8 @@ def test_fleet_engine_agrees_with_the_step_engine_on_the_committed_profile(polic
 
 def test_both_engines_price_a_decode_step_at_its_rows_context():
     """Eight 2,000-token prompts prefilled in one step, then decoded together: on the committed profile's context axis
-    a batch-8 step at ~2,017 tokens is 2.8x its price at the grid's own 56, and both engines charge that (TPOT); a
-    policy is asked at the rows' context, as the engine asks it (lut: k = 1 there, 2 at short context)."""
+    a batch-8 step at ~2,017 tokens is 3.0x its price at the grid's own 72, and both engines charge that (TPOT); a
+    policy is asked at the rows' context, as the engine asks it (lut: k = 1 there, 0 at short context)."""
     from serve_app.engine.policy import BatchState, make_policy
     from serve_app.sim.fleetsim import simulate_fleet
 
@@ -375,7 +375,7 @@ def test_both_engines_price_a_decode_step_at_its_rows_context():
         tpot = engine({"c": 1}, {"c": profile}, "none", **kw).summary()["tpot_p50_s"]
         assert tpot * 1000 == pytest.approx(grid.step_ms(8, 2017.0)[0], rel=0.02)
     lut = make_policy("lut", profile)
-    assert lut.choose(BatchState(8, 8, True, contexts=(56,) * 8)) == 2
+    assert lut.choose(BatchState(8, 8, True, contexts=(56,) * 8)) == 0
     assert lut.choose(BatchState(8, 8, True, contexts=(2048,) * 8)) == 1
     run = simulate({"c": 1}, {"c": profile}, "lut", **kw)
     assert {k for _, b, k, _ in run.replicas[0].steps if b == 8} == {1}
