@@ -355,7 +355,8 @@ class Budget:
         their time (the calibrated grid's k = 0 step, as the Router's regret table prices it), by more than
         GUARD_MARGIN. The prices above are a model of the step; this is its outcome: where they disagree (a draft
         forward dearer beside the target than profiled, verification wider than a line says), the outcome wins
-        and the steps there run plain, probing every `probe_every` steps to find out when speculating pays again."""
+        and the steps there run plain, probing every `probe_every` x GUARD_PROBE_BACKOFF steps to find out when
+        speculating pays again."""
         made, plain, steps = self._guard.get(self._group(batch_size), (0.0, 0.0, 0.0))
         return steps >= GUARD_STEPS and made < GUARD_MARGIN * plain
 
@@ -364,16 +365,15 @@ class Budget:
 
     def _judge(self, stats: StepStats) -> None:
         """A decoding step's outcome into its batch size's guard (a step that speculated; prefill steps price
-        their chunks, not k)."""
+        their chunks, not k), its plain step priced at its rows' context as `uniform` prices it."""
         ms = 1000.0 * (stats.draft_s + stats.verify_s + stats.other_s)
-        if not stats.proposed or not stats.batch_size or stats.prefill_tokens or stats.admitted or ms <= 0:
+        if not stats.proposed or not stats.batch_size or stats.prefill_tokens or stats.admitted or ms <= 0 \
+                or 0 not in self.grid.ks:
             return
         b = stats.batch_size
-        if 0 not in self.grid.ks:
-            return
-        key = (b, None)
+        key = (b, context_bucket(self.grid.step_context(stats.contexts)))
         if key not in self._step_ms:
-            self._step_ms[key] = self.grid.step_ms(b)
+            self._step_ms[key] = self.grid.step_ms(b, key[1])
         plain_rate = b / self._step_ms[key][self.grid.ks.index(0)]  # tokens per ms at k = 0
         g = self._guard.setdefault(self._group(b), [0.0, 0.0, 0.0])
         g[0] = g[0] * GUARD_FADE + stats.generated
