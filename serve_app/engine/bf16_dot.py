@@ -15,10 +15,10 @@ from typing import NamedTuple
 
 import torch
 
-from serve_app.engine import ckernels
+from serve_app.engine import bf16_linear, ckernels
 
 SOURCE = Path(__file__).with_suffix(".c")
-BLOCK = 16
+BLOCK = bf16_linear.BLOCK  # 16 outputs a block, as bf16_linear.c packs them
 
 
 @functools.cache
@@ -53,9 +53,8 @@ def fits(weight: torch.Tensor) -> bool:
 
 def to_pairs(weight: torch.Tensor) -> Pairs:  # [N, K] bfloat16
     n, k = weight.shape
-    padded = torch.zeros(-(-n // BLOCK) * BLOCK, k, dtype=torch.bfloat16)
-    padded[:n] = weight.detach()
-    return Pairs(padded.view(-1, BLOCK, k // 2, 2).transpose(1, 2).contiguous().view(torch.int16), n, k)
+    blocks = bf16_linear.padded(weight).view(-1, BLOCK, k // 2, 2).transpose(1, 2)
+    return Pairs(blocks.contiguous().view(torch.int16), n, k)
 
 
 def linear(x: torch.Tensor, pairs: Pairs, bias: torch.Tensor | None) -> torch.Tensor:  # [..., K] -> [..., N]
@@ -66,8 +65,7 @@ def linear(x: torch.Tensor, pairs: Pairs, bias: torch.Tensor | None) -> torch.Te
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1 or rows.stride(0) % 2 or rows.storage_offset() % 2:  # k pairs read as 32-bit words
         rows = rows.contiguous()
-    if bias is not None:  # read in whole blocks
-        bias = torch.nn.functional.pad(bias.detach().float(), (0, pairs.blocks.shape[0] * BLOCK - n)).contiguous()
+    bias = bf16_linear.block_bias(bias, pairs.blocks.shape[0])
     y = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
     if rows.shape[0]:
         _library().bf16_dot(rows.data_ptr(), rows.shape[0], k, rows.stride(0), pairs.blocks.data_ptr(), n,

@@ -49,11 +49,24 @@ class Bits(NamedTuple):
 BLOCK = 16
 
 
+def padded(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [N rounded up to BLOCK, K] bfloat16
+    """The weight in bfloat16 with zero rows to whole blocks of outputs (this kernel's and `bf16_dot`'s)."""
+    n, k = weight.shape
+    out = torch.zeros(-(-n // BLOCK) * BLOCK, k, dtype=torch.bfloat16)
+    out[:n] = weight.detach()
+    return out
+
+
+def block_bias(bias: torch.Tensor | None, blocks: int) -> torch.Tensor | None:  # [N] -> [blocks * BLOCK] float32
+    """A bias in float32, zero-padded to whole blocks (the kernels read it a block at a time)."""
+    if bias is None:
+        return None
+    return torch.nn.functional.pad(bias.detach().float(), (0, blocks * BLOCK - bias.shape[0])).contiguous()
+
+
 def to_bits(weight: torch.Tensor) -> Bits:  # [N, K] float
     n, k = weight.shape
-    padded = torch.zeros(-(-n // BLOCK) * BLOCK, k, dtype=torch.bfloat16)
-    padded[:n] = weight.detach()
-    return Bits(padded.view(-1, BLOCK, k).transpose(1, 2).contiguous().view(torch.int16), n)
+    return Bits(padded(weight).view(-1, BLOCK, k).transpose(1, 2).contiguous().view(torch.int16), n)
 
 
 def linear(x: torch.Tensor, bits: Bits, bias: torch.Tensor | None) -> torch.Tensor:  # [..., K] -> [..., N]
@@ -64,8 +77,7 @@ def linear(x: torch.Tensor, bits: Bits, bias: torch.Tensor | None) -> torch.Tens
     rows = x.reshape(-1, k)
     if rows.dtype != torch.float32 or rows.stride(-1) != 1:
         rows = rows.float().contiguous()
-    if bias is not None:  # read in whole blocks
-        bias = torch.nn.functional.pad(bias.detach().float(), (0, bits.blocks.shape[0] * BLOCK - n)).contiguous()
+    bias = block_bias(bias, bits.blocks.shape[0])
     y = torch.empty(rows.shape[0], n, dtype=torch.float32)
     if rows.shape[0]:
         _library().bf16_linear(rows.data_ptr(), rows.shape[0], k, rows.stride(0), bits.blocks.data_ptr(), n,

@@ -96,15 +96,16 @@ def _attention(attn, x: torch.Tensor, cos, sin, half: int, batch, cache, ops: bo
 
 def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
     """down(silu(gate(x)) * up(x)), gate and up in one product when packing fused them."""
-    if isinstance(mlp.gate_proj, FusedPart) and mlp.gate_proj.fused is getattr(mlp.up_proj, "fused", None):
-        gate_up = mlp.gate_proj.fused.whole(x)
-    else:
-        gate_up = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1)
-    return mlp.down_proj(decoder_ops.silu_mul(gate_up))
+    return mlp.down_proj(decoder_ops.silu_mul(_side_by_side(x, mlp.gate_proj, mlp.up_proj)))
 
 
 def _qkv(attn, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, (H + 2 KV) * D]
-    """The three projections side by side: one product when packing fused them, else three and a copy."""
-    if isinstance(attn.q_proj, FusedPart) and attn.q_proj.fused is getattr(attn.v_proj, "fused", None):
-        return attn.q_proj.fused.whole(x)
-    return torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+    return _side_by_side(x, attn.q_proj, attn.k_proj, attn.v_proj)
+
+
+def _side_by_side(x: torch.Tensor, *linears) -> torch.Tensor:  # [T, in] -> [T, sum of outs]
+    """Sibling projections' outputs side by side: one product when packing fused them, else each and a copy."""
+    first = linears[0]
+    if isinstance(first, FusedPart) and first.fused is getattr(linears[-1], "fused", None):
+        return first.fused.whole(x)
+    return torch.cat([lin(x) for lin in linears], dim=-1)
