@@ -1,4 +1,5 @@
-"""The project's C kernels (`bf16_linear.c`, `paged_attention.c`): compiled on first use with the machine's C
+"""The project's C kernels (`bf16_linear.c`, `bf16_dot.c`, `paged_attention.c`, `decoder_ops.c`, `vocab_ops.c`, the
+headers they include): compiled on first use with the machine's C
 compiler (`cc`, about a second each) into $SPECSERVE_CACHE/kernels, keyed by the source's hash and flags, and
 loaded with ctypes (whose calls release the GIL). Without a compiler a kernel is unavailable and its caller
 takes torch's path."""
@@ -9,6 +10,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -37,7 +39,7 @@ def kernel(source: Path, switch: str, signatures: dict[str, list]) -> ctypes.CDL
 
 def load(source: Path) -> ctypes.CDLL | None:
     """The compiled `source` (built now if this cache has no copy), or None where it cannot be built."""
-    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(_text(source) + " ".join(FLAGS).encode()).hexdigest()[:16]
     name = f"{source.stem}-{digest}.so"
     from serve_app.models import cache_root  # models loads the kernels lazily, in turn
 
@@ -51,6 +53,15 @@ def load(source: Path) -> ctypes.CDLL | None:
             continue
         return ctypes.CDLL(str(target))  # after torch: its libgomp.so.1 is the OpenMP runtime both use
     return None
+
+
+def _text(source: Path) -> bytes:
+    """The source's bytes and those of the headers it includes by quotes (its own folder's, one level: the
+    kernels' headers include none), so an edited header builds a new library."""
+    text = source.read_bytes()
+    for name in re.findall(rb'^#include "([^"]+)"', text, flags=re.M):
+        text += (source.parent / name.decode()).read_bytes()
+    return text
 
 
 def _build(source: Path, target: Path) -> bool:

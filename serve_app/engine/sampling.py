@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from serve_app.engine import vocab_ops
 from serve_app.engine.speculative import accept_rejection, residual_logits_, sample
 
 TOP_N = 64
@@ -106,7 +107,10 @@ def _block_minimum(keys: torch.Tensor, blocks: torch.Tensor, vocab: int, where: 
 
 
 def _block_max(x: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R, nb] float32
-    """The largest value of each block: an elementwise max over the 16 strided slices of a row."""
+    """The largest value of each block: an elementwise max over the 16 strided slices of a row (one C pass on a
+    CPU, `vocab_ops`)."""
+    if vocab_ops.fits(x):
+        return vocab_ops.block_max(x, BLOCK)
     rows, vocab = x.shape
     stride = vocab // BLOCK
     parts = [x[:, : stride * BLOCK].reshape(rows, BLOCK, stride).amax(dim=1)] if stride else []
@@ -126,11 +130,14 @@ def _block_ids(blocks: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Te
 
 
 def _top_candidates(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:  # [R, V] -> [R, width] x 2
-    """x.topk(width) (values descending, ids) without a top-k pass over the whole vocabulary: the
-    `width` largest values lie in the `width` blocks with the largest maxima."""
+    """x.topk(width) (values descending, ids) without a top-k pass over the whole vocabulary: on a CPU one C
+    pass (`vocab_ops.top_values`); elsewhere the `width` largest values lie in the `width` blocks with the
+    largest maxima. Which of several equal values make the cut may differ between the two."""
     vocab = x.shape[-1]
     if width * BLOCK * 4 > vocab:
         return x.topk(width, dim=-1)
+    if vocab_ops.fits(x) and width <= vocab_ops.WIDEST:  # one C pass over each row
+        return vocab_ops.top_values(x, width)
     ids, real = _block_ids(_block_max(x).topk(width, dim=-1).indices, vocab)
     vals, at = x.gather(1, ids).masked_fill_(~real, float("-inf")).topk(width, dim=-1)
     return vals, ids.gather(1, at)
@@ -226,11 +233,13 @@ class Warp:
                     None if self.min_p is None else self.min_p[index], host)
 
 
-def warp_(logits: torch.Tensor, w: Warp) -> torch.Tensor:  # [N, V] float32, changed in place
+def warp_(logits: torch.Tensor, w: Warp) -> torch.Tensor:  # [N, V] -> [N, V] float32
     """Temperature, then min-p, then top-k, then top-p on the top-k renormalized distribution (a token stays while
-    the mass strictly before it is below top_p; the first always stays), on a float32 tensor the caller
-    owns. Dropped tokens get -inf, so softmax of the result is the distribution a request samples
-    from. A token tied with the last kept one is kept too (the cut is a threshold on the logit)."""
+    the mass strictly before it is below top_p; the first always stays), on a tensor the caller owns: a float32
+    one is changed in place and returned; another dtype gives a new float32 tensor (the temperature divides as
+    it widens: one pass, where a cast then a division would be two; the same bits). Dropped tokens get -inf, so
+    softmax of the result is the distribution a request samples from. A token tied with the last kept one is
+    kept too (the cut is a threshold on the logit)."""
     top_k = None  # the cut rows' top_k on the host, where known
     if w.host is not None:  # decided on the host
         scaled, cut_rows = any(w.host[0]), [i for i, c in enumerate(w.host[1]) if c]
@@ -238,7 +247,9 @@ def warp_(logits: torch.Tensor, w: Warp) -> torch.Tensor:  # [N, V] float32, cha
     else:
         scaled = bool((w.temperature != 1.0).any())
         cut_rows = ((w.top_k > 0) | (w.top_p < 1.0)).nonzero().squeeze(1).tolist()
-    if scaled:
+    if logits.dtype != torch.float32:
+        logits = logits / w.temperature[:, None] if scaled else logits.float()  # float32 by type promotion
+    elif scaled:
         logits /= w.temperature[:, None]
     if w.min_p is not None:
         _min_p_(logits, w.min_p)
@@ -251,8 +262,11 @@ def warp_(logits: torch.Tensor, w: Warp) -> torch.Tensor:  # [N, V] float32, cha
 
 
 def logsumexp(x: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R]
-    """torch.logsumexp over the last dimension in fewer passes (a row max is cheap on CPUs, its general
-    reduction is not): ~1.6x faster on a 128k vocabulary. Rows of -inf give -inf."""
+    """torch.logsumexp over the last dimension in fewer passes: on a CPU one C call that reads a row twice and
+    writes nothing (`vocab_ops`); elsewhere a max, then exp's sum (a row max is cheap, torch's general reduction
+    is not: ~1.6x faster on a 128k vocabulary). Rows of -inf give -inf."""
+    if vocab_ops.fits(x):
+        return vocab_ops.logsumexp(x)
     m = x.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, 0.0)
     return (x - m).exp_().sum(dim=-1).log_().add_(m[:, 0])
@@ -263,6 +277,13 @@ def _min_p_(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:  # [R, V] sca
     logit < max logit + log(min_p)); a row with min_p 0 keeps everything."""
     floor = x.amax(dim=-1) + torch.log(min_p.clamp(min=1e-30))  # [R]
     floor = torch.where(min_p > 0, floor, torch.full_like(floor, float("-inf")))
+    return _cut_below_(x, floor)
+
+
+def _cut_below_(x: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:  # [R, V] in place, floor [R]
+    """-inf for every value of a row below its floor (one C pass on a CPU, `vocab_ops`)."""
+    if x.dtype == torch.float32 and vocab_ops.fits(x):
+        return vocab_ops.cut_below_(x, floor)
     return x.masked_fill_(x < floor[:, None], float("-inf"))
 
 
@@ -305,7 +326,7 @@ def _truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
             threshold[todo[fin]] = vals[fin].gather(1, (kept[fin] - 1)[:, None]).squeeze(1)
         todo = todo[_index([i for i, d in enumerate(done) if not d], x.device)]
         width = min(vocab, width * 8)
-    return x.masked_fill_(x < threshold[:, None], float("-inf"))
+    return _cut_below_(x, threshold)
 
 
 # ---- the draft's side ---------------------------------------------------------------------------
@@ -416,13 +437,12 @@ def verify_walk(
         if len(g) == len(live):
             token = x.max(dim=-1).indices
         else:
-            x = x.float()  # our own copy (float() of a fresh float32 tensor is itself), warped in place
-            if g:
+            if g:  # in the logits' own dtype, as an all-greedy batch takes it
                 gi = at(g)
                 token[gi] = x.index_select(0, gi).max(dim=-1).indices
             other = [i for i, b in enumerate(live) if not is_greedy[b]]  # positions in `live`
             rows = at(other)
-            x = warp_(_pick(x, rows), w.rows(active[rows], [live[i] for i in other]))  # [R, V]
+            x = warp_(_pick(x, rows), w.rows(active[rows], [live[i] for i in other]))  # [R, V] float32: x is fresh
             rows_b = active[rows]
             cr = [r for r, i in enumerate(other) if is_seeded[live[i]]]  # positions in `other`
             if cr:  # the coupled choice: the emitted token depends only on p and the seed

@@ -1,0 +1,145 @@
+"""The sampling path's vocabulary passes in C (`engine.vocab_ops`): a row's logsumexp within float32 rounding of the
+exact value (and torch's special cases), block maxima torch's exactly, each row independent of the batch and the
+threads, and the sampling functions built on them choosing what they chose with torch's ops."""
+
+import math
+
+import pytest
+import torch
+
+from serve_app.engine import sampling, vocab_ops
+from serve_app.engine.sampling import BLOCK, Warp, gumbel_argmax, noise_key, warp_
+
+pytestmark = pytest.mark.skipif(vocab_ops._library() is None, reason="no AVX2 + FMA or no C compiler here")
+DTYPES = [torch.float32, torch.bfloat16]
+VOCABS = [128256, 1000, 37, 7]  # a Llama-3 vocabulary, tails past the 8-lane body, fewer tokens than a block
+
+
+@pytest.fixture
+def torch_ops():
+    """vocab_ops off for the block: sampling's torch path."""
+    vocab_ops.ON = False
+    yield
+    vocab_ops.ON = True
+
+
+def _logits(rows: int, vocab: int, dtype, scale: float = 8.0, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, vocab, generator=g) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_logsumexp_is_the_exact_value_to_float32_rounding(dtype, vocab):
+    x = _logits(6, vocab, dtype)
+    x[1, vocab // 2:] = float("-inf")  # a truncated row: its masked tokens add nothing
+    x[2] = float("-inf")  # an empty row
+    x[3, 0] = 200.0  # one token far above the rest: the others' exp underflow, nothing goes denormal
+    exact = torch.logsumexp(x.double(), dim=-1)
+    got = vocab_ops.logsumexp(x)
+    assert got.dtype == torch.float32 and got[2].item() == float("-inf")
+    finite = torch.isfinite(exact)
+    assert torch.allclose(got[finite].double(), exact[finite], rtol=4e-7, atol=4e-7)
+    assert sampling.logsumexp(x).equal(got)  # sampling's path goes through the kernel
+
+
+def test_logsumexp_special_values_are_torchs():
+    x = torch.zeros(3, 100)
+    x[0, 7] = float("inf")
+    x[1, 9] = float("nan")
+    x[2, 11] = float("-inf")
+    got, want = vocab_ops.logsumexp(x), torch.logsumexp(x, dim=-1)
+    assert got[0].item() == math.inf and math.isnan(got[1].item())
+    assert torch.allclose(got[2], want[2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_row_is_the_same_alone_in_a_batch_and_on_any_threads(dtype):
+    x = _logits(40, 50000, dtype, seed=1)  # 40 x 50k: over the threads' threshold
+    together = vocab_ops.logsumexp(x)
+    blocks = vocab_ops.block_max(x, BLOCK)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = vocab_ops.logsumexp(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert together.equal(one_thread)
+    for r in (0, 17, 39):
+        assert vocab_ops.logsumexp(x[r:r + 1]).equal(together[r:r + 1])
+        assert vocab_ops.block_max(x[r:r + 1], BLOCK).equal(blocks[r:r + 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_block_max_is_torchs(dtype, vocab, torch_ops):
+    wide = _logits(5, vocab + 3, dtype, seed=2)
+    x = wide[:, :vocab]  # rows with a stride longer than the row
+    x[4] = float("-inf")
+    want = sampling._block_max(x)
+    vocab_ops.ON = True
+    got = sampling._block_max(x)
+    assert got.shape == want.shape and got.dtype == torch.float32 and got.equal(want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_warping_and_the_coupled_choice_are_unchanged(dtype, torch_ops):
+    """top-p's threshold and Gumbel-max's choice over a 128k vocabulary, as torch's ops make them."""
+    rows, vocab = 24, 128256
+    x = _logits(rows, vocab, dtype, scale=4.0, seed=3)
+    params = [type("P", (), {"temperature": 0.7, "top_k": 0, "top_p": p, "min_p": 0.0})()
+              for p in (0.5, 0.9, 0.95, 1.0) * (rows // 4)]
+    w = Warp.of(params, "cpu")
+    keys = torch.tensor([noise_key(7, i) for i in range(rows)], dtype=torch.int32)
+    want = warp_(x.float().clone(), w)  # float() of float32 is x itself: warp_ would change x
+    want_choice = gumbel_argmax(want, keys)
+    vocab_ops.ON = True
+    got = warp_(x.float().clone(), w)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))  # the same tokens cut
+    assert torch.equal(gumbel_argmax(got, keys), want_choice)
+
+
+def test_warp_of_bfloat16_rows_is_the_warp_of_their_float32_copy():
+    """warp_ widens a bfloat16 row as it divides by the temperature: the bits of a cast, then a division."""
+    x = _logits(8, 5000, torch.bfloat16, scale=4.0, seed=4)
+    for temperature, top_p in ((0.7, 0.9), (1.0, 0.8), (1.0, 1.0)):
+        params = [type("P", (), {"temperature": temperature, "top_k": 0, "top_p": top_p, "min_p": 0.0})()] * 8
+        w = Warp.of(params, "cpu")
+        got = warp_(x.clone(), w)
+        assert got.dtype == torch.float32 and got.equal(warp_(x.float(), w))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1, 64, 512])
+def test_top_values_are_topks(dtype, width):
+    x = _logits(12, 128256, dtype, seed=5)
+    x[1, :] = x[1, 0]  # every value equal: the smallest ids, in order
+    x[2, 100:] = float("-inf")
+    x[3, 7] = float("nan")  # never taken
+    vals, ids = vocab_ops.top_values(x, width)
+    want = x.float().nan_to_num(nan=float("-inf"), neginf=float("-inf")).topk(width, dim=-1).values.to(dtype)
+    assert vals.dtype == dtype and vals.equal(want)
+    assert x.gather(1, ids).equal(vals)  # each id holds its value
+    assert all(len(set(row)) == width for row in ids.tolist())  # no id twice
+    assert ids[1].tolist() == list(range(width))
+    assert sampling._top_candidates(x, width)[0].equal(vals) or width * BLOCK * 4 > x.shape[1]
+    for r in (0, 11):  # a row alone gives what it gave in the batch
+        alone = vocab_ops.top_values(x[r:r + 1], width)
+        assert alone[0].equal(vals[r:r + 1]) and alone[1].equal(ids[r:r + 1])
+
+
+def test_top_values_refuses_a_width_it_cannot_hold():
+    with pytest.raises(ValueError, match="width"):
+        vocab_ops.top_values(torch.zeros(2, 10), 11)
+
+
+def test_cut_below_is_a_masked_fill():
+    x = _logits(5, 1003, torch.float32, seed=6)
+    x[0, 3] = float("nan")
+    floor = torch.tensor([0.0, float("-inf"), 5.0, float("inf"), -3.0])
+    want = x.clone().masked_fill_(x < floor[:, None], float("-inf"))
+    got = x.clone()
+    assert vocab_ops.cut_below_(got, floor) is got
+    assert torch.equal(got.nan_to_num(nan=1e9), want.nan_to_num(nan=1e9))
+    with pytest.raises(ValueError, match="float32"):
+        vocab_ops.cut_below_(x.bfloat16(), floor)
