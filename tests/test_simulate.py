@@ -11,7 +11,7 @@ import pytest
 
 from serve_app.pricing import LatencyGrid
 from serve_app.profiling.profiles import Profile
-from serve_app.sim.simulate import simulate
+from serve_app.sim.simulate import prompt_blocks, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,6 +65,23 @@ def test_a_long_prompt_prefills_in_chunks_while_the_batch_keeps_decoding():
     prof.latency.chunk_draft_step_ms, prof.latency.chunk_draft_ms_per_token = [2.0, 2.0], [1.0, 1.0]
     res = simulate({"toy": 1}, {"toy": prof}, "none", trace=[(0.0, 4, 2)])
     assert res.jobs[0].first_token == pytest.approx(0.010)
+
+
+def test_a_prompt_feeds_only_what_the_prefix_cache_does_not_hold():
+    """Prompts named by their blocks (`prompt_blocks`, 4-token blocks here): b agrees with a up to its last token, so
+    a's two full blocks serve it and it feeds 2 of its 10 tokens (one forward + 2 ms + 2 x 1 ms); c differs in its
+    first token and feeds all 10, as every prompt does when the trace names no blocks."""
+    prof = grid_profile()
+    prof.latency.chunk_step_ms, prof.latency.chunk_ms_per_token = [2.0, 2.0], [1.0, 2.0]
+    a, b, c = list(range(10)), list(range(9)) + [99], [7] + list(range(1, 10))
+    assert prompt_blocks(a, 4) == prompt_blocks(b, 4) and len(prompt_blocks(a, 4)) == 2
+    assert prompt_blocks(c, 4)[0] != prompt_blocks(a, 4)[0] and prompt_blocks(c, 4)[1] != prompt_blocks(a, 4)[1]
+    trace = [(float(i), 10, 2, prompt_blocks(t, 4)) for i, t in enumerate((a, b, c))]
+    res = simulate({"toy": 1}, {"toy": prof}, "none", trace=trace, max_batch=4, block_size=4)
+    assert [n for *_, n in res.replicas[0].steps if n] == [10, 2, 10]
+    assert res.jobs[1].first_token - 1.0 == pytest.approx(0.014)
+    res = simulate({"toy": 1}, {"toy": prof}, "none", trace=[row[:3] for row in trace], max_batch=4, block_size=4)
+    assert [n for *_, n in res.replicas[0].steps if n] == [10, 10, 10]
 
 
 def test_k_is_lowered_to_fit_the_token_budget_keeping_a_block_for_prompts():

@@ -49,7 +49,7 @@ from serve_app.engine.policy import PER_ROW_POLICIES
 from serve_app.models import LoadedModels
 from serve_app.profiling.calibration import Calibration, step_cost_ms
 from serve_app.profiling.profiles import Profile
-from serve_app.sim.simulate import simulate
+from serve_app.sim.simulate import prompt_blocks, simulate
 from serve_app.bench.policies import Job, _run
 from serve_app.bench.replay import replay, schedule
 from serve_app.bench.rounds import provenance
@@ -116,7 +116,7 @@ def validate(models: LoadedModels, profile: Profile, policies: list[str], out_di
     for st in seen + timeline:
         whole.observe(st)
     grid = whole.grid() if calibration else profile.latency
-    trace = [(j.at, len(j.prompt), n) for j, n in zip(jobs, outputs)]
+    trace = [(j.at, len(j.prompt), n, prompt_blocks(j.prompt)) for j, n in zip(jobs, outputs)]  # cache hits as served
     sim: dict[str, float | None] = {}
     one_k = [p for p in policies if p not in PER_ROW_POLICIES]  # the one-k simulator models no per-row lengths:
     # it is judged on the policies whose real steps drafted one length per row (lut and adaptive, served, copy past k)

@@ -11,7 +11,9 @@ What is modelled, and how:
   settings (`EngineConfig` defaults unless given):
   1. Admit waiting requests FIFO (no overtaking) while the batch allows (decoding + prefilling <
      max batch) and the KV pool does: a request holds its context + max_k + 1 tokens in whole blocks
-     (`kv_tokens`), with a block of headroom per admitted request. Admitting costs nothing.
+     (`kv_tokens`), with a block of headroom per admitted request. Admitting costs nothing. Where the
+     trace names a prompt's blocks (`prompt_blocks`), its leading blocks some earlier prompt computed
+     on the replica are not fed again (the prefix cache, `PagedKV.match_prefix`; never evicted here).
   2. If the admitted outgrow the pool (contexts grow), the latest admitted goes back to the head of
      the queue (preempted) and prefills its prompt + generated tokens again later.
   3. k from the policy for the decoding batch and its rows' contexts (`BatchState.contexts`), lowered
@@ -29,7 +31,8 @@ What is modelled, and how:
   6. Each decoding sequence gets 1 + accepted tokens, acceptance drawn position by position from the
      profile's per-position acceptance (extended by its per-token rate past the measured k). A prompt
      whose prefill completes gets its first token at the step's end and decodes from the next step.
-  Not modelled: prefix caching (every prompt prefills in full), EOS (answers run to their length).
+  Not modelled: EOS (answers run to their length); prefix caching only where the trace names the
+  prompts' blocks (a closed loop's prompts are all different).
 - k: the real policy objects (`serve_app/engine/policy.py`), told each step's statistics as in the engine.
 """
 
@@ -67,6 +70,7 @@ class Job:
     generated: int = 0
     prefilled: int = 0  # context tokens in the KV: prefill progress (back to 0 when preempted)
     preemptions: int = 0
+    blocks: tuple = ()  # the prompt's full blocks by name (`prompt_blocks`): what the prefix cache can serve
 
     @property
     def context(self) -> int:
@@ -95,6 +99,7 @@ class Replica:
     true_grid: object = None
     """The latencies this replica really has (a LatencyGrid), when they are not its profile's: the
     policy still reads the profile (and calibrates from the steps, if it does)."""
+    cached: set = field(default_factory=set)  # names of the prompt blocks this replica's KV has computed
 
     def __post_init__(self) -> None:
         self._parts_cache: dict = {}
@@ -143,6 +148,7 @@ class Replica:
             self._decode(decoding, k, tuple(p[grid.ks.index(k)] for p in parts), prefill_tokens, contexts)
         for job, n in chunks:  # a prompt whose prefill completes: its first token, decoding from the next step
             job.prefilled += n
+            self.cached.update(job.blocks[: job.prefilled // self.block_size])  # named as computed (`PagedKV`)
             if job.prefilled == job.context:
                 self.prefilling.remove(job)
                 self.running.append(job)
@@ -163,8 +169,19 @@ class Replica:
             need = self.kv_tokens(self.waiting[0])
             if need + self.block_size * (len(self.running) + len(self.prefilling)) > room:
                 break
-            self.prefilling.append(self.waiting.popleft())
+            job = self.waiting.popleft()
+            job.prefilled = self._cached_prefix(job)
+            self.prefilling.append(job)
             room -= need
+
+    def _cached_prefix(self, job: Job) -> int:
+        """Tokens of job's prompt the prefix cache serves: its leading blocks this replica computed before."""
+        hits = 0
+        for name in job.blocks:
+            if name not in self.cached:
+                break
+            hits += 1
+        return hits * self.block_size
 
     def _fit_kv(self) -> None:
         """Preempt the latest admitted while the admitted outgrow the pool (`Engine._fit_kv`)."""
@@ -256,14 +273,15 @@ class SimResult:
 
 
 def simulate(fleet: dict[str, int], profiles: dict[str, Profile], policy: str, *, users_at=None, duration_s: float = 60.0,
-             trace: list[tuple[float, int, int]] | None = None, prompt_tokens: "int | tuple[int, int]" = 64,
+             trace: list[tuple] | None = None, prompt_tokens: "int | tuple[int, int]" = 64,
              output_tokens: "int | tuple[int, int]" = 64,
              max_batch: int = ENGINE.max_batch_size, kv_budget: int = ENGINE.max_num_tokens, max_k: int = ENGINE.max_k,
              block_size: int = ENGINE.block_size, max_num_batched_tokens: int = ENGINE.max_num_batched_tokens,
              seed: int = 0, route: str = "least-loaded", true_grids: dict | None = None,
              calibrate: bool = False, true_acceptance: dict | None = None) -> SimResult:
     """Simulate `fleet` ({hardware type: replicas}) under closed-loop users (`users_at(t)`, re-read
-    every second of simulated time, for `duration_s`) or an open-loop `trace`. Closed-loop requests
+    every second of simulated time, for `duration_s`) or an open-loop `trace` of (arrival s, prompt tokens,
+    output tokens) or (..., the prompt's blocks by name, `prompt_blocks`: prefix-cache hits). Closed-loop requests
     have `prompt_tokens` / `output_tokens` tokens: a count, or (low, high) drawn uniformly per request.
     Every replica runs the engine with these settings (`EngineConfig`: max_batch_size, max_num_tokens,
     max_k, block_size, max_num_batched_tokens; its defaults unless given). true_grids {hardware type:
@@ -281,7 +299,7 @@ def simulate(fleet: dict[str, int], profiles: dict[str, Profile], policy: str, *
     engine = EngineConfig(max_batch_size=max_batch, max_num_tokens=kv_budget, max_k=max_k, block_size=block_size,
                           max_num_batched_tokens=max_num_batched_tokens)  # the engine's own checks
     top = lambda x: max(x) if isinstance(x, tuple) else x  # noqa: E731
-    longest = max(p + o for _, p, o in trace) if trace else top(prompt_tokens) + top(output_tokens)
+    longest = max(row[1] + row[2] for row in trace) if trace else top(prompt_tokens) + top(output_tokens)
     if longest + max_k + 1 > kv_budget // block_size * block_size:  # `Engine.submit` refuses such a request
         raise ValueError(f"a request of {longest} prompt + output tokens does not fit the KV budget "
                          f"({kv_budget} tokens) alone")
@@ -310,14 +328,14 @@ def simulate(fleet: dict[str, int], profiles: dict[str, Profile], policy: str, *
     events: list = []  # (time, order, kind, payload)
     order = itertools.count()
 
-    def arrive(t: float, prompt: int, output: int, user: int | None) -> None:
-        jobs.append(Job(len(jobs), t, prompt, output, user))
+    def arrive(t: float, prompt: int, output: int, user: int | None, blocks: tuple = ()) -> None:
+        jobs.append(Job(len(jobs), t, prompt, output, user, blocks=blocks))
         heapq.heappush(events, (t, next(order), "arrive", jobs[-1]))
 
     active_users: set[int] = set()
     if trace is not None:
-        for t, p, o in sorted(trace):
-            arrive(t, p, o, None)
+        for row in sorted(trace, key=lambda row: row[:3]):
+            arrive(row[0], row[1], row[2], None, tuple(row[3]) if len(row) > 3 else ())
     else:
         heapq.heappush(events, (0.0, next(order), "users", None))
     while events:
@@ -358,6 +376,17 @@ def simulate(fleet: dict[str, int], profiles: dict[str, Profile], policy: str, *
             else:
                 item.busy = False
     return SimResult(jobs, replicas, policy)
+
+
+def prompt_blocks(tokens: list[int], block_size: int = ENGINE.block_size) -> tuple[int, ...]:
+    """A prompt's full blocks as the prefix cache names them: each by a hash chained over every token up to its end,
+    so two prompts share a block's name only when they agree up to there. The block holding the last token is
+    left out (the engine always computes it, for its logits)."""
+    names, parent = [], 0
+    for i in range((len(tokens) - 1) // block_size):
+        parent = hash((parent, tuple(tokens[i * block_size : (i + 1) * block_size])))
+        names.append(parent)
+    return tuple(names)
 
 
 # ---- the command: several policies on one fleet and trace, a table and a plot ----------------------
