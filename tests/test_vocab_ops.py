@@ -136,6 +136,7 @@ def test_top_values_refuses_a_width_it_cannot_hold():
 def test_cut_below_is_a_masked_fill():
     x = _logits(5, 1003, torch.float32, seed=6)
     x[0, 3] = float("nan")
+    x[2, 10] = x[2, 900] = 5.0  # equal to its floor: kept (the cut is strictly below)
     floor = torch.tensor([0.0, float("-inf"), 5.0, float("inf"), -3.0])
     want = x.clone().masked_fill_(x < floor[:, None], float("-inf"))
     got = x.clone()
