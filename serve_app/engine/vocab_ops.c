@@ -35,13 +35,12 @@ void row_logsumexp(const void *x, long xs, long R, long V, float *out, int bf16,
     for (long r = 0; r < R; r++) {
         const long body = V & ~7L, base = r * xs;
         __m256 mv = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
-        float m = -INFINITY;
         for (long i = 0; i < body; i += 8) {
             __m256 v = load8(x, base + i, bf16);
             bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
             mv = _mm256_max_ps(mv, v);
         }
-        m = hmax8(mv);
+        float m = hmax8(mv);
         int nan = _mm256_movemask_ps(bad) != 0;
         for (long i = body; i < V; i++) {
             float v = widen(x, base + i, bf16);
@@ -120,6 +119,10 @@ static void sift_down(item_t *h, long n, long at) {  /* a min-heap by `below`: h
     }
 }
 
+static inline void offer(item_t *h, long n, float v, long i) {  /* v at id i replaces the lowest kept if above it */
+    if (v > h[0].v) { h[0] = (item_t){v, i}; sift_down(h, n, 0); }
+}
+
 static int ranks_first(const void *a, const void *b) {  /* qsort: descending value, then ascending id */
     item_t x = *(const item_t *)a, y = *(const item_t *)b;
     return below(y, x) ? -1 : below(x, y) ? 1 : 0;
@@ -133,33 +136,20 @@ void top_values(const void *x, long xs, long R, long V, long width, float *vals,
     #pragma omp parallel for schedule(static) num_threads(threads) if (R > 1 && R * V >= MANY_ELEMENTS)
     for (long r = 0; r < R; r++) {
         item_t heap[width];
-        const long base = r * xs, body = V & ~7L;
-        long n = 0;
+        const long base = r * xs;
         for (long i = 0; i < width; i++) {  /* the first width values seed it (NaN: -inf, ranked last) */
             float v = widen(x, base + i, bf16);
-            heap[n++] = (item_t){v == v ? v : -INFINITY, i};
+            heap[i] = (item_t){v == v ? v : -INFINITY, i};
         }
-        for (long at = n / 2 - 1; at >= 0; at--) sift_down(heap, n, at);
-        long start = (width + 7) & ~7L;
-        for (long i = width; i < start && i < V; i++) {  /* up to the next multiple of 8 one by one */
-            float v = widen(x, base + i, bf16);
-            if (v > heap[0].v) { heap[0] = (item_t){v, i}; sift_down(heap, n, 0); }
+        for (long at = width / 2 - 1; at >= 0; at--) sift_down(heap, width, at);
+        long i = width;
+        for (; i + 8 <= V; i += 8) {  /* 8 lanes against the smallest kept: only the lanes above it are offered */
+            int m = _mm256_movemask_ps(_mm256_cmp_ps(load8(x, base + i, bf16), _mm256_set1_ps(heap[0].v), _CMP_GT_OQ));
+            for (; m; m &= m - 1)
+                offer(heap, width, widen(x, base + i + __builtin_ctz(m), bf16), i + __builtin_ctz(m));
         }
-        for (long i = start; i < body; i += 8) {
-            __m256 v = load8(x, base + i, bf16);
-            int m = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(heap[0].v), _CMP_GT_OQ));
-            while (m) {
-                int lane = __builtin_ctz(m);
-                m &= m - 1;
-                float f = widen(x, base + i + lane, bf16);
-                if (f > heap[0].v) { heap[0] = (item_t){f, i + lane}; sift_down(heap, n, 0); }
-            }
-        }
-        for (long i = body > start ? body : start; i < V; i++) {
-            float v = widen(x, base + i, bf16);
-            if (v > heap[0].v) { heap[0] = (item_t){v, i}; sift_down(heap, n, 0); }
-        }
-        qsort(heap, n, sizeof(item_t), ranks_first);
+        for (; i < V; i++) offer(heap, width, widen(x, base + i, bf16), i);
+        qsort(heap, width, sizeof(item_t), ranks_first);
         for (long j = 0; j < width; j++) {
             vals[r * width + j] = heap[j].v;
             ids[r * width + j] = heap[j].i;
