@@ -144,3 +144,59 @@ def test_cut_below_is_a_masked_fill():
     assert torch.equal(got.nan_to_num(nan=1e9), want.nan_to_num(nan=1e9))
     with pytest.raises(ValueError, match="float32"):
         vocab_ops.cut_below_(x.bfloat16(), floor)
+
+
+def _keys(rows: int, seed: int = 7) -> torch.Tensor:
+    return torch.tensor([noise_key(seed, i) for i in range(rows)], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", VOCABS + [49152, 16])
+@pytest.mark.parametrize("scale", [0.05, 1.0, 8.0])
+def test_gumbel_argmax_chooses_what_torchs_ops_choose(dtype, vocab, scale, torch_ops):
+    """The coupled choice in one C call: the token torch's bounded Gumbel-max takes (and the full vocabulary's
+    argmax of logits + noise), on flat and peaked rows, cut rows (-inf tails), a short last block, strided rows."""
+    wide = _logits(48, vocab + 5, dtype, scale=scale, seed=int(scale * 10) + vocab)
+    x = wide[:, :vocab]
+    x[:6, max(vocab // 3, 1):] = float("-inf")
+    keys = _keys(48)
+    want = gumbel_argmax(x, keys)
+    full = (x.float() + sampling.gumbel(keys, None, vocab)).max(dim=-1).indices
+    vocab_ops.ON = True
+    got = gumbel_argmax(x, keys)
+    assert got.dtype == torch.long and got.equal(want) and got.equal(full)
+
+
+def test_gumbel_argmax_scores_every_block_where_the_first_do_not_settle_it(torch_ops):
+    """Rows where each block's largest logit sits beside its drawn minimum (never on it): many blocks' bounds beat the
+    winner's score, and in some rows the winner's block ranks past the first 32 by bound, so the kernel goes on to
+    every block, sorted."""
+    rows, vocab = 32, 4096 + 7
+    stride, nb = vocab // BLOCK, vocab // BLOCK + 1
+    keys = _keys(rows, seed=11)
+    e_min, at = sampling._block_minimum(keys[:, None], torch.arange(nb)[None].expand(rows, -1), vocab)
+    size = torch.where(torch.arange(nb) < stride, BLOCK, vocab % BLOCK)
+    beside = (at + 1) % size  # [R, nb]: each block's largest logit, one place past its minimum
+    ids = torch.where(torch.arange(nb) < stride, torch.arange(nb) + beside * stride, BLOCK * stride + beside)
+    x = torch.zeros(rows, vocab).scatter_(1, ids, 5.0)
+    want = gumbel_argmax(x, keys)
+    bound = sampling._block_max(x) - e_min.log()
+    winner_block = torch.where(want < BLOCK * stride, want % stride, stride)
+    rank = (bound > bound.gather(1, winner_block[:, None])).sum(dim=1)  # blocks ranked above the winner's
+    assert (rank >= 32).any()  # the premise: some winners lie past the first 32 blocks
+    vocab_ops.ON = True
+    assert gumbel_argmax(x, keys).equal(want)
+
+
+def test_gumbel_argmax_is_the_same_alone_in_a_batch_and_on_any_threads():
+    x = _logits(40, 50000, torch.float32, scale=2.0, seed=5)
+    keys = _keys(40, seed=3)
+    together = vocab_ops.gumbel_argmax(x, keys)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert vocab_ops.gumbel_argmax(x, keys).equal(together)
+    finally:
+        torch.set_num_threads(threads)
+    for r in (0, 21, 39):
+        assert vocab_ops.gumbel_argmax(x[r:r + 1], keys[r:r + 1]).equal(together[r:r + 1])

@@ -170,6 +170,8 @@ def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:  # 
     of block b scores logit - log E(x) <= max logit in b - log E_min(b): score the blocks with the
     highest such bound token by token; once the best score beats the next block's bound, no other
     token can win. Rows still open after the last round take every token's noise. Exact."""
+    if vocab_ops.fits(logits):  # on a CPU: one C call (the same choice, its logs within an ulp of torch's)
+        return vocab_ops.gumbel_argmax(logits, keys)
     rows, vocab = logits.shape
     nb = (vocab + BLOCK - 1) // BLOCK
     every = torch.arange(nb, device=logits.device)[None, :].expand(rows, -1)

@@ -71,34 +71,34 @@ void row_logsumexp(const void *x, long xs, long R, long V, float *out, int bf16,
 /* The largest value of each strided block of a row (B tokens a block, `sampling.BLOCK`; S = V / B): out[r, b] for
  * b < S is the max of x[r, b + i S] over i < B, and out[r, S] (where V % B) the max of the last V % B tokens.
  * out: [R, nb] float32, nb = S + (V % B != 0). A NaN in a block may or may not show in its maximum. */
-void block_max(const void *x, long xs, long R, long V, long B, float *out, long nb, int bf16, int threads) {
+static void block_max_row(const void *x, long base, long V, long B, float *o, int bf16) {
     const long S = V / B, body = S & ~7L;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (R > 1 && R * V >= MANY_ELEMENTS)
-    for (long r = 0; r < R; r++) {
-        const long base = r * xs;
-        float *o = out + r * nb;
-        for (long b = 0; b < body; b += 8) {
-            __m256 m = load8(x, base + b, bf16);
-            for (long i = 1; i < B; i++) m = _mm256_max_ps(m, load8(x, base + i * S + b, bf16));
-            _mm256_storeu_ps(o + b, m);
-        }
-        for (long b = body; b < S; b++) {
-            float m = widen(x, base + b, bf16);
-            for (long i = 1; i < B; i++) {
-                float v = widen(x, base + i * S + b, bf16);
-                m = v > m ? v : m;
-            }
-            o[b] = m;
-        }
-        if (V % B) {
-            float m = widen(x, base + B * S, bf16);
-            for (long i = B * S + 1; i < V; i++) {
-                float v = widen(x, base + i, bf16);
-                m = v > m ? v : m;
-            }
-            o[S] = m;
-        }
+    for (long b = 0; b < body; b += 8) {
+        __m256 m = load8(x, base + b, bf16);
+        for (long i = 1; i < B; i++) m = _mm256_max_ps(m, load8(x, base + i * S + b, bf16));
+        _mm256_storeu_ps(o + b, m);
     }
+    for (long b = body; b < S; b++) {
+        float m = widen(x, base + b, bf16);
+        for (long i = 1; i < B; i++) {
+            float v = widen(x, base + i * S + b, bf16);
+            m = v > m ? v : m;
+        }
+        o[b] = m;
+    }
+    if (V % B) {
+        float m = widen(x, base + B * S, bf16);
+        for (long i = B * S + 1; i < V; i++) {
+            float v = widen(x, base + i, bf16);
+            m = v > m ? v : m;
+        }
+        o[S] = m;
+    }
+}
+
+void block_max(const void *x, long xs, long R, long V, long B, float *out, long nb, int bf16, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (R > 1 && R * V >= MANY_ELEMENTS)
+    for (long r = 0; r < R; r++) block_max_row(x, r * xs, V, B, out + r * nb, bf16);
 }
 
 /* ---- a row's `width` largest values ---- */
@@ -172,5 +172,150 @@ void cut_below(float *x, long xs, long R, long V, const float *floor, int thread
         }
         for (long i = body; i < V; i++)
             if (row[i] < f) row[i] = -INFINITY;
+    }
+}
+
+/* ---- the coupled sampler's Gumbel-max choice (`sampling.gumbel_argmax`) ---- */
+/* sampling.py's constants: _MULT, _SALT_MIN, _SALT_AT, BLOCK, SCAN[0] (the tests hold the two paths to one choice) */
+#define MULT0 0x2545F491u
+#define MULT1 0x7FEB352Du
+#define MULT2 0x5BD1E995u
+#define SALT_MIN 0x3C6EF372u
+#define SALT_AT 0x1B873593u
+#define GBLOCK 16
+#define FIRST_BLOCKS 32
+
+/* natural log of 8 positive normal lanes to about a float32 ulp (Cephes' logf: m in [sqrt(1/2), sqrt(2)) by the
+ * exponent, then a degree-9 polynomial); the noise's arguments are never 0, negative, denormal or infinite */
+static inline __m256 log8(__m256 x) {
+    const __m256i xi = _mm256_castps_si256(x);
+    __m256 e = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(xi, 23), _mm256_set1_epi32(126)));
+    __m256 m = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(xi, _mm256_set1_epi32(0x007FFFFF)),
+                                                   _mm256_set1_epi32(0x3F000000)));  /* in [0.5, 1) */
+    const __m256 low = _mm256_cmp_ps(m, _mm256_set1_ps(0.707106781186547524f), _CMP_LT_OQ);
+    e = _mm256_sub_ps(e, _mm256_and_ps(low, _mm256_set1_ps(1.0f)));
+    m = _mm256_sub_ps(_mm256_add_ps(m, _mm256_and_ps(low, m)), _mm256_set1_ps(1.0f));
+    const __m256 z = _mm256_mul_ps(m, m);
+    __m256 y = _mm256_set1_ps(7.0376836292e-2f);
+    y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(-1.1514610310e-1f));
+    y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(1.1676998740e-1f));
+    y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(-1.2420140846e-1f));
+    y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(1.4249322787e-1f));
+    y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(-1.6668057665e-1f));
+    y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(2.0000714765e-1f));
+    y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(-2.4999993993e-1f));
+    y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(3.3333331174e-1f));
+    y = _mm256_mul_ps(_mm256_mul_ps(y, m), z);
+    y = _mm256_fmadd_ps(e, _mm256_set1_ps(-2.12194440e-4f), y);
+    y = _mm256_fnmadd_ps(z, _mm256_set1_ps(0.5f), y);
+    return _mm256_fmadd_ps(e, _mm256_set1_ps(0.693359375f), _mm256_add_ps(m, y));
+}
+
+/* sampling._hash32 in uint32 (its masked arithmetic shifts are these logical ones), 8 ids under one key */
+static inline __m256i hash8(__m256i id, uint32_t key) {
+    __m256i v = _mm256_add_epi32(_mm256_set1_epi32((int)key), _mm256_mullo_epi32(id, _mm256_set1_epi32((int)MULT0)));
+    v = _mm256_xor_si256(v, _mm256_srli_epi32(v, 16));
+    v = _mm256_mullo_epi32(v, _mm256_set1_epi32((int)MULT1));
+    v = _mm256_xor_si256(v, _mm256_srli_epi32(v, 15));
+    v = _mm256_mullo_epi32(v, _mm256_set1_epi32((int)MULT2));
+    return _mm256_xor_si256(v, _mm256_srli_epi32(v, 16));
+}
+
+static inline uint32_t hash1(uint32_t id, uint32_t key) {
+    uint32_t v = key + id * MULT0;
+    v ^= v >> 16;
+    v *= MULT1;
+    v ^= v >> 15;
+    v *= MULT2;
+    return v ^ (v >> 16);
+}
+
+/* sampling._expo: Exp(1) variables -log(u), u the hash's top 24 bits + 1/2 over 2^24 (exact before the log) */
+static inline __m256 expo8(__m256i id, uint32_t key) {
+    __m256i h = _mm256_srli_epi32(hash8(id, key), 8);
+    __m256 u = _mm256_add_ps(_mm256_cvtepi32_ps(h), _mm256_set1_ps(0.5f));
+    return _mm256_sub_ps(_mm256_setzero_ps(), log8(_mm256_mul_ps(u, _mm256_set1_ps(1.0f / 16777216.0f))));
+}
+
+/* One block's tokens scored: logit - log E(x), E(x) = E_min at the block's drawn position, E_min + Exp(1) elsewhere
+ * (sampling.noise_e); the best (highest score, then smallest id) joins *best / *choice. */
+static void score_block(const void *x, long base, long V, long b, float e_min, uint32_t key, int bf16,
+                        float *best, long *choice) {
+    const long S = V / GBLOCK, size = b < S ? GBLOCK : V % GBLOCK;
+    const uint32_t h = hash1((uint32_t)b, key + SALT_AT) & 0x7FFFFFFFu;
+    const long at = size == GBLOCK ? (long)(h & (GBLOCK - 1)) : (long)(h % (uint32_t)size);
+    int32_t ids[GBLOCK];
+    float logit[GBLOCK];
+    for (long i = 0; i < GBLOCK; i++) {  /* the short block's padding repeats its first token, then is skipped */
+        ids[i] = (int32_t)(b < S ? b + i * S : GBLOCK * S + (i < size ? i : 0));
+        logit[i] = widen(x, base + ids[i], bf16);
+    }
+    float score[GBLOCK];
+    for (long i = 0; i < GBLOCK; i += 8) {
+        __m256 e = _mm256_add_ps(_mm256_set1_ps(e_min), expo8(_mm256_loadu_si256((const __m256i *)(ids + i)), key));
+        _mm256_storeu_ps(score + i, e);
+    }
+    score[at] = e_min;
+    for (long i = 0; i < GBLOCK; i += 8)
+        _mm256_storeu_ps(score + i, _mm256_sub_ps(_mm256_loadu_ps(logit + i), log8(_mm256_loadu_ps(score + i))));
+    for (long i = 0; i < size; i++)
+        if (score[i] > *best || (score[i] == *best && ids[i] < *choice)) { *best = score[i]; *choice = ids[i]; }
+}
+
+/* out[r] = argmax over tokens of x[r, t] - log E(t), E the coupled sampler's Exp(1) noise under keys[r]
+ * (`sampling.gumbel_argmax`, the same Gumbel-max choice): every block's bound max logit - log E_min (one pass for
+ * the maxima, one over the blocks), then blocks token by token in descending bound until the next bound is below the
+ * best score: the FIRST_BLOCKS highest from a heap, and where those do not settle it (flat rows) every block sorted.
+ * A row of -inf (or NaN) gets its first token. */
+void gumbel_argmax(const void *x, long xs, long R, long V, const int32_t *keys, long *out, int bf16, int threads) {
+    const long S = V / GBLOCK, nb = S + (V % GBLOCK != 0), body = nb & ~7L;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (R > 1 && R * V >= MANY_ELEMENTS)
+    for (long r = 0; r < R; r++) {
+        const long base = r * xs;
+        const uint32_t key = (uint32_t)keys[r];
+        float *bound = malloc(2 * nb * sizeof(float)), *e_min = bound + nb;
+        block_max_row(x, base, V, GBLOCK, bound, bf16);
+        const __m256 full = _mm256_set1_ps((float)GBLOCK);
+        for (long b = 0; b < body; b += 8) {  /* blocks below S are full: size 16 */
+            __m256i id = _mm256_add_epi32(_mm256_set1_epi32((int)b), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            __m256 size = b + 8 <= S ? full : _mm256_blendv_ps(full, _mm256_set1_ps((float)(V % GBLOCK)),
+                _mm256_castsi256_ps(_mm256_cmpgt_epi32(id, _mm256_set1_epi32((int)S - 1))));
+            __m256 e = _mm256_div_ps(expo8(id, key + SALT_MIN), size);
+            _mm256_storeu_ps(e_min + b, e);
+            _mm256_storeu_ps(bound + b, _mm256_sub_ps(_mm256_loadu_ps(bound + b), log8(e)));
+        }
+        if (body < nb) {  /* the last blocks through 8 lanes of which the tail's are used */
+            float eb[8], lg[8];
+            __m256i id = _mm256_add_epi32(_mm256_set1_epi32((int)body), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            __m256 size = _mm256_blendv_ps(full, _mm256_set1_ps((float)(V % GBLOCK ? V % GBLOCK : GBLOCK)),
+                _mm256_castsi256_ps(_mm256_cmpgt_epi32(id, _mm256_set1_epi32((int)S - 1))));
+            __m256 e = _mm256_div_ps(expo8(id, key + SALT_MIN), size);
+            _mm256_storeu_ps(eb, e);
+            _mm256_storeu_ps(lg, log8(e));
+            for (long b = body; b < nb; b++) { e_min[b] = eb[b - body]; bound[b] -= lg[b - body]; }
+        }
+        /* the FIRST_BLOCKS (+ 1: the bound after the last) highest bounds, descending */
+        const long first = nb < FIRST_BLOCKS + 1 ? nb : FIRST_BLOCKS + 1;
+        item_t top[FIRST_BLOCKS + 1];
+        for (long b = 0; b < first; b++) top[b] = (item_t){bound[b] == bound[b] ? bound[b] : -INFINITY, b};
+        for (long at = first / 2 - 1; at >= 0; at--) sift_down(top, first, at);
+        for (long b = first; b < nb; b++) offer(top, first, bound[b], b);
+        qsort(top, first, sizeof(item_t), ranks_first);
+        float best = -INFINITY;
+        long choice = -1, done = 0;
+        for (; done < first; done++) {
+            if (top[done].v < best || top[done].v == -INFINITY) break;
+            score_block(x, base, V, top[done].i, e_min[top[done].i], key, bf16, &best, &choice);
+        }
+        if (done == first && first < nb && top[first - 1].v >= best && top[first - 1].v > -INFINITY) {
+            item_t *all = malloc(nb * sizeof(item_t));  /* flat: every block by bound, past those already scored */
+            for (long b = 0; b < nb; b++) all[b] = (item_t){bound[b] == bound[b] ? bound[b] : -INFINITY, b};
+            qsort(all, nb, sizeof(item_t), ranks_first);
+            for (long j = first; j < nb && all[j].v >= best && all[j].v > -INFINITY; j++)
+                score_block(x, base, V, all[j].i, e_min[all[j].i], key, bf16, &best, &choice);
+            free(all);
+        }
+        free(bound);
+        out[r] = choice >= 0 ? choice : 0;
     }
 }

@@ -30,7 +30,8 @@ def _library() -> ctypes.CDLL | None:
         "row_logsumexp": [ptr, c_long, c_long, c_long, ptr, c_int, c_int],
         "block_max": [ptr, c_long, c_long, c_long, c_long, ptr, c_long, c_int, c_int],
         "top_values": [ptr, c_long, c_long, c_long, c_long, ptr, ptr, c_int, c_int],
-        "cut_below": [ptr, c_long, c_long, c_long, ptr, c_int]})
+        "cut_below": [ptr, c_long, c_long, c_long, ptr, c_int],
+        "gumbel_argmax": [ptr, c_long, c_long, c_long, ptr, ptr, c_int, c_int]})
 
 
 def fits(x: torch.Tensor) -> bool:
@@ -85,3 +86,14 @@ def cut_below_(x: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:  # [R, V] 
     rows, vocab = x.shape
     _library().cut_below(x.data_ptr(), x.stride(0), rows, vocab, floor.data_ptr(), torch.get_num_threads())
     return x
+
+
+def gumbel_argmax(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:  # [R, V], keys [R] -> [R] long
+    """`sampling.gumbel_argmax`'s choice, argmax(x + gumbel(keys)), in one call: the same noise bits up to its logs
+    (about a float32 ulp from torch's), so the same token but where two scores lie within an ulp."""
+    rows, vocab = x.shape
+    keys = keys.to(torch.int32).contiguous()
+    out = torch.empty(rows, dtype=torch.long)
+    _library().gumbel_argmax(x.data_ptr(), x.stride(0), rows, vocab, keys.data_ptr(), out.data_ptr(),
+                             int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    return out
