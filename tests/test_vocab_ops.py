@@ -200,3 +200,27 @@ def test_gumbel_argmax_is_the_same_alone_in_a_batch_and_on_any_threads():
         torch.set_num_threads(threads)
     for r in (0, 21, 39):
         assert vocab_ops.gumbel_argmax(x[r:r + 1], keys[r:r + 1]).equal(together[r:r + 1])
+
+
+@pytest.mark.parametrize("vocab", [64, 1000, 49152])
+@pytest.mark.parametrize("top_k", [0, 5, 200])
+def test_top_p_floor_cuts_what_torchs_loop_cuts(vocab, top_k, torch_ops):
+    """top-k / top-p's cut in one C call per row: the same tokens kept as torch's loop, but where a token's probability
+    is below float32's resolution next to the mass before it (a top_p of 1.0 reached by rounding: the two exps differ
+    by an ulp); flat rows, whose nucleus outgrows the kernel's candidates, go to torch's loop."""
+    rows = 16
+    x = _logits(rows, vocab, torch.float32, scale=4.0, seed=vocab + top_k)
+    x[:2, vocab // 2:] = float("-inf")
+    x[2] *= 0.001  # flat: its nucleus holds nearly every token
+    k = torch.full((rows,), top_k, dtype=torch.long)
+    p = torch.tensor([0.5, 0.9, 0.95, 1.0] * (rows // 4))
+    want = sampling._truncate(x.clone(), k, p)
+    vocab_ops.ON = True
+    got = sampling._truncate(x.clone(), k, p)
+    parted = torch.isinf(got) != torch.isinf(want)
+    assert torch.equal(got[~parted], want[~parted])
+    probs = torch.softmax(want, dim=-1)
+    assert (probs[parted] < 1e-6).all(), probs[parted].max()
+    assert parted[p < 1.0].sum() == 0  # below a top_p of 1 the rows' cuts are the same
+    floor = vocab_ops.top_p_floor(x, k, p)
+    assert torch.isnan(floor[2]) == (vocab > vocab_ops.WIDEST and top_k == 0)  # the flat row: torch's loop

@@ -291,7 +291,20 @@ def _cut_below_(x: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:  # [R, V]
 
 def _truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
               top_k_host: list[int] | None = None) -> torch.Tensor:  # [R, V]
-    """Apply top-k / top-p to rows of scaled logits from a top-`width` pass; a row whose nucleus may
+    """Apply top-k / top-p to rows of scaled logits: -inf below each row's floor (`_floor`; on a CPU one C call,
+    `vocab_ops.top_p_floor`, with torch's loop for a row whose nucleus outgrows its candidates)."""
+    if x.dtype == torch.float32 and vocab_ops.fits(x):
+        floor = vocab_ops.top_p_floor(x, top_k, top_p)
+        wide = torch.isnan(floor).nonzero().squeeze(1)
+        if len(wide):
+            floor[wide] = _floor(x.index_select(0, wide), top_k[wide], top_p[wide])
+        return _cut_below_(x, floor)
+    return _cut_below_(x, _floor(x, top_k, top_p, top_k_host))
+
+
+def _floor(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           top_k_host: list[int] | None = None) -> torch.Tensor:  # [R, V] -> [R]
+    """The smallest value each row keeps under top-k / top-p, from a top-`width` pass; a row whose nucleus may
     reach past the candidates is redone wider (8x, up to the whole vocabulary). top_k_host: top_k on the
     host, where the caller knows it (the first width is then chosen without reading the device)."""
     vocab = x.shape[-1]
@@ -328,7 +341,7 @@ def _truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
             threshold[todo[fin]] = vals[fin].gather(1, (kept[fin] - 1)[:, None]).squeeze(1)
         todo = todo[_index([i for i, d in enumerate(done) if not d], x.device)]
         width = min(vocab, width * 8)
-    return _cut_below_(x, threshold)
+    return threshold
 
 
 # ---- the draft's side ---------------------------------------------------------------------------

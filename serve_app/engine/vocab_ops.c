@@ -319,3 +319,54 @@ void gumbel_argmax(const void *x, long xs, long R, long V, const int32_t *keys, 
         out[r] = choice >= 0 ? choice : 0;
     }
 }
+
+/* ---- top-k / top-p: the value a row is cut below (`sampling._truncate`) ---- */
+/* floor[r] = the smallest value row r keeps under top_k[r] (0: off) and top_p[r]: its candidates, the `width`
+ * largest values, descending; p_i = exp(v_i - norm), norm the whole row's logsumexp (top-k's own k values where
+ * top-k is on and within the candidates); a candidate i < k stays while the mass before it (a running sum in double,
+ * each partial rounded to float32, less p_i, as torch's cumsum of float32 rows keeps it) is below top_p. Candidates
+ * widen 8x (from 64, or top-k) while the nucleus may reach past them; past `widest` the row's floor is NaN (the
+ * caller's torch path takes it). x: float32 rows. */
+void top_p_floor(const float *x, long xs, long R, long V, const long *top_k, const float *top_p, float *floor,
+                 long widest, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (R > 1 && R * V >= MANY_ELEMENTS)
+    for (long r = 0; r < R; r++) {
+        const long k = top_k[r] > 0 && top_k[r] < V ? top_k[r] : V;
+        long width = top_k[r] > 0 ? (k > 64 ? k : 64) : 64;
+        width = width < V ? width : V;
+        float total;
+        row_logsumexp(x + r * xs, xs, 1, V, &total, 0, 1);
+        floor[r] = NAN;
+        while (width <= widest) {
+            item_t *top = malloc(width * sizeof(item_t));
+            const float *row = x + r * xs;
+            for (long i = 0; i < width; i++) top[i] = (item_t){row[i] == row[i] ? row[i] : -INFINITY, i};
+            for (long at = width / 2 - 1; at >= 0; at--) sift_down(top, width, at);
+            for (long i = width; i < V; i++) offer(top, width, row[i], i);
+            qsort(top, width, sizeof(item_t), ranks_first);
+            const int within = k <= width;
+            float norm = total;
+            if (top_k[r] > 0 && within) {  /* top-k renormalizes over its own k values */
+                double s = 0.0;
+                const float m = top[0].v;
+                for (long i = 0; i < k; i++) s += (double)exp1(top[i].v - m);
+                norm = isinf(m) ? m : (float)((double)m + log(s));
+            }
+            const long in_k = k < width ? k : width;
+            double cum = 0.0;
+            long kept = 0;
+            for (long i = 0; i < in_k; i++) {
+                const float p = exp1(top[i].v - norm);
+                cum += (double)p;
+                kept += (float)cum - p < top_p[r];
+            }
+            kept = kept > 0 ? kept : 1;
+            const float at_kept = top[kept - 1].v;
+            free(top);
+            if (width == V || within || (kept < width && k == V)) { floor[r] = at_kept; break; }
+            if (width == widest) break;
+            width = width * 8 < V ? width * 8 : V;
+            width = width < widest ? width : widest;
+        }
+    }
+}

@@ -31,7 +31,8 @@ def _library() -> ctypes.CDLL | None:
         "block_max": [ptr, c_long, c_long, c_long, c_long, ptr, c_long, c_int, c_int],
         "top_values": [ptr, c_long, c_long, c_long, c_long, ptr, ptr, c_int, c_int],
         "cut_below": [ptr, c_long, c_long, c_long, ptr, c_int],
-        "gumbel_argmax": [ptr, c_long, c_long, c_long, ptr, ptr, c_int, c_int]})
+        "gumbel_argmax": [ptr, c_long, c_long, c_long, ptr, ptr, c_int, c_int],
+        "top_p_floor": [ptr, c_long, c_long, c_long, ptr, ptr, ptr, c_long, c_int]})
 
 
 def fits(x: torch.Tensor) -> bool:
@@ -96,4 +97,17 @@ def gumbel_argmax(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:  # [R, V
     out = torch.empty(rows, dtype=torch.long)
     _library().gumbel_argmax(x.data_ptr(), x.stride(0), rows, vocab, keys.data_ptr(), out.data_ptr(),
                              int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    return out
+
+
+def top_p_floor(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:  # [R, V] float32 -> [R]
+    """The value each row is cut below under its top_k [R] (0: off) and top_p [R] (`sampling._truncate`'s threshold):
+    NaN for a row whose nucleus is wider than WIDEST candidates (the caller's torch path takes it)."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"top_p_floor: float32 rows, not {x.dtype}")
+    rows, vocab = x.shape
+    top_k, top_p = top_k.to(torch.long).contiguous(), top_p.to(torch.float32).contiguous()
+    out = torch.empty(rows, dtype=torch.float32)
+    _library().top_p_floor(x.data_ptr(), x.stride(0), rows, vocab, top_k.data_ptr(), top_p.data_ptr(), out.data_ptr(),
+                           WIDEST, torch.get_num_threads())
     return out
