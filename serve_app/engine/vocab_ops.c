@@ -1,4 +1,5 @@
-/* The sampling path's passes over a vocabulary, one C call each: a row's logsumexp and its block maxima.
+/* The sampling path's passes over a vocabulary, one C call each: a row's logsumexp, its block maxima, its top values,
+ * a cut below a floor, top-k / top-p's floor, and the coupled sampler's Gumbel-max choice.
  *
  * A sampled row at a 128k vocabulary spends its time in a few whole-row passes (`sampling.py`): torch's
  * logsumexp is four of them (max, subtract into a new tensor, exp, sum) and a strided block max one more

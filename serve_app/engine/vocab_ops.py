@@ -1,5 +1,6 @@
 """The sampling path's vocabulary passes in one C call each on a CPU (`vocab_ops.c`): a row's logsumexp, its strided
-block maxima (`sampling.BLOCK`), its largest values, and a cut below a floor.
+block maxima (`sampling.BLOCK`), its largest values, a cut below a floor, top-k / top-p's floor, and the coupled
+sampler's Gumbel-max choice.
 
 `sampling` calls these where `fits` says they run (a CPU tensor of float32 or bfloat16 whose rows are contiguous,
 the kernel built, ON); elsewhere torch's ops. The block maxima are torch's exactly; the logsumexp is within a few
