@@ -129,28 +129,33 @@ static int ranks_first(const void *a, const void *b) {  /* qsort: descending val
     return below(y, x) ? -1 : below(x, y) ? 1 : 0;
 }
 
-/* vals[r, :], ids[r, :] = the `width` largest values of row r, descending, and their token ids; among equal values
- * the smaller id first (so the set and its order are a function of the row alone). One pass: a min-heap of the
+/* heap[0 .. width) = the `width` largest values of the row at x + base, descending, with their ids; among equal
+ * values the smaller id first (so the set and its order are a function of the row alone). One pass: a min-heap of the
  * best `width` so far, and 8 lanes at a time compared with its smallest, which only a few of a row's values beat.
- * NaNs are never taken. width <= V; scratch: width items per thread, on the stack below 4096. */
+ * NaNs are never taken. width <= V. */
+static void top_items(const void *x, long base, long V, long width, item_t *heap, int bf16) {
+    for (long i = 0; i < width; i++) {  /* the first width values seed it (NaN: -inf, ranked last) */
+        float v = widen(x, base + i, bf16);
+        heap[i] = (item_t){v == v ? v : -INFINITY, i};
+    }
+    for (long at = width / 2 - 1; at >= 0; at--) sift_down(heap, width, at);
+    long i = width;
+    for (; i + 8 <= V; i += 8) {  /* 8 lanes against the smallest kept: only the lanes above it are offered */
+        int m = _mm256_movemask_ps(_mm256_cmp_ps(load8(x, base + i, bf16), _mm256_set1_ps(heap[0].v), _CMP_GT_OQ));
+        for (; m; m &= m - 1)
+            offer(heap, width, widen(x, base + i + __builtin_ctz(m), bf16), i + __builtin_ctz(m));
+    }
+    for (; i < V; i++) offer(heap, width, widen(x, base + i, bf16), i);
+    qsort(heap, width, sizeof(item_t), ranks_first);
+}
+
+/* vals[r, :], ids[r, :] = row r's `width` largest values and their token ids (`top_items`); scratch: width items per
+ * thread, on the stack below 4096. */
 void top_values(const void *x, long xs, long R, long V, long width, float *vals, long *ids, int bf16, int threads) {
     #pragma omp parallel for schedule(static) num_threads(threads) if (R > 1 && R * V >= MANY_ELEMENTS)
     for (long r = 0; r < R; r++) {
         item_t heap[width];
-        const long base = r * xs;
-        for (long i = 0; i < width; i++) {  /* the first width values seed it (NaN: -inf, ranked last) */
-            float v = widen(x, base + i, bf16);
-            heap[i] = (item_t){v == v ? v : -INFINITY, i};
-        }
-        for (long at = width / 2 - 1; at >= 0; at--) sift_down(heap, width, at);
-        long i = width;
-        for (; i + 8 <= V; i += 8) {  /* 8 lanes against the smallest kept: only the lanes above it are offered */
-            int m = _mm256_movemask_ps(_mm256_cmp_ps(load8(x, base + i, bf16), _mm256_set1_ps(heap[0].v), _CMP_GT_OQ));
-            for (; m; m &= m - 1)
-                offer(heap, width, widen(x, base + i + __builtin_ctz(m), bf16), i + __builtin_ctz(m));
-        }
-        for (; i < V; i++) offer(heap, width, widen(x, base + i, bf16), i);
-        qsort(heap, width, sizeof(item_t), ranks_first);
+        top_items(x, r * xs, V, width, heap, bf16);
         for (long j = 0; j < width; j++) {
             vals[r * width + j] = heap[j].v;
             ids[r * width + j] = heap[j].i;
@@ -298,10 +303,7 @@ void gumbel_argmax(const void *x, long xs, long R, long V, const int32_t *keys, 
         /* the FIRST_BLOCKS (+ 1: the bound after the last) highest bounds, descending */
         const long first = nb < FIRST_BLOCKS + 1 ? nb : FIRST_BLOCKS + 1;
         item_t top[FIRST_BLOCKS + 1];
-        for (long b = 0; b < first; b++) top[b] = (item_t){bound[b] == bound[b] ? bound[b] : -INFINITY, b};
-        for (long at = first / 2 - 1; at >= 0; at--) sift_down(top, first, at);
-        for (long b = first; b < nb; b++) offer(top, first, bound[b], b);
-        qsort(top, first, sizeof(item_t), ranks_first);
+        top_items(bound, 0, nb, first, top, 0);
         float best = -INFINITY;
         long choice = -1, done = 0;
         for (; done < first; done++) {
@@ -340,11 +342,7 @@ void top_p_floor(const float *x, long xs, long R, long V, const long *top_k, con
         floor[r] = NAN;
         while (width <= widest) {
             item_t *top = malloc(width * sizeof(item_t));
-            const float *row = x + r * xs;
-            for (long i = 0; i < width; i++) top[i] = (item_t){row[i] == row[i] ? row[i] : -INFINITY, i};
-            for (long at = width / 2 - 1; at >= 0; at--) sift_down(top, width, at);
-            for (long i = width; i < V; i++) offer(top, width, row[i], i);
-            qsort(top, width, sizeof(item_t), ranks_first);
+            top_items(x, r * xs, V, width, top, 0);
             const int within = k <= width;
             float norm = total;
             if (top_k[r] > 0 && within) {  /* top-k renormalizes over its own k values */
