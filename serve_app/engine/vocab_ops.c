@@ -312,8 +312,7 @@ void gumbel_argmax(const void *x, long xs, long R, long V, const int32_t *keys, 
         }
         if (done == first && first < nb && top[first - 1].v >= best && top[first - 1].v > -INFINITY) {
             item_t *all = malloc(nb * sizeof(item_t));  /* flat: every block by bound, past those already scored */
-            for (long b = 0; b < nb; b++) all[b] = (item_t){bound[b] == bound[b] ? bound[b] : -INFINITY, b};
-            qsort(all, nb, sizeof(item_t), ranks_first);
+            top_items(bound, 0, nb, nb, all, 0);
             for (long j = first; j < nb && all[j].v >= best && all[j].v > -INFINITY; j++)
                 score_block(x, base, V, all[j].i, e_min[all[j].i], key, bf16, &best, &choice);
             free(all);
@@ -337,8 +336,8 @@ void top_p_floor(const float *x, long xs, long R, long V, const long *top_k, con
         const long k = top_k[r] > 0 && top_k[r] < V ? top_k[r] : V;
         long width = top_k[r] > 0 ? (k > 64 ? k : 64) : 64;
         width = width < V ? width : V;
-        float total;
-        row_logsumexp(x + r * xs, xs, 1, V, &total, 0, 1);
+        float total = NAN;  /* the whole row's normaliser: only top-p alone reads it (top-k starts within its k) */
+        if (top_k[r] <= 0) row_logsumexp(x + r * xs, xs, 1, V, &total, 0, 1);
         floor[r] = NAN;
         while (width <= widest) {
             item_t *top = malloc(width * sizeof(item_t));
