@@ -87,6 +87,26 @@ def test_unpriced_prefill_steps_and_unprofiled_ks_are_not_evidence():
     assert cal.used == 0
 
 
+def test_steps_that_draft_nothing_say_nothing_about_the_drafts_price():
+    """A k = 0 step runs no draft forward: its draft part is a served draft's held-back commit (~0) or a local
+    draft's bookkeeping, though a measured profile prices that cell (0.09 ms at batch 8 on this CPU). Taken as
+    evidence, a replica's plain steps (most of them at a large batch) priced drafting at a tenth of what it
+    costs, and its policy speculated where that lost."""
+    grid = GRID.model_copy(update={"draft_ms": [[0.1 * b if k == 0 else v for k, v in zip(KS, row)]
+                                                for b, row in zip(SIZES, GRID.draft_ms)]})
+    cal = Calibration(grid, warmup=0)
+    i = SIZES.index(8)
+    for n in range(80):
+        if n % 8:  # plain steps, their draft part next to nothing
+            cal.observe(StepStats(batch_size=8, k=0, draft_s=5e-6, verify_s=grid.verify_ms[i][0] / 1000,
+                                  other_s=grid.other_ms[i][0] / 1000))
+        else:
+            cal.observe(step(grid, 8, 1))
+    assert cal.factors()["draft"][8] == pytest.approx(1.0)
+    assert cal.grid().draft_ms[i][1:] == pytest.approx(grid.draft_ms[i][1:])
+    assert cal.factors()["verify"][8] == pytest.approx(1.0)
+
+
 def test_steps_that_prefill_calibrate_the_chunk_price():
     n = len(SIZES)
     priced = GRID.model_copy(update={"chunk_step_ms": [5.0] * n, "chunk_ms_per_token": [0.5] * n})
@@ -261,3 +281,15 @@ def test_calibrated_policies_visit_a_neighbouring_k_now_and_then_so_slopes_are_m
     assert all(p.caps == [16, 16] for p in plans)
     # a plan (budget) or k = 0 passes through untouched
     assert calibrated(make_policy("none"), profile(GRID)).choose(BatchState(2, 8)) == 0
+
+
+@pytest.mark.parametrize("name", ["budget", "adaptive"])
+def test_a_policy_that_probes_on_its_own_is_not_explored_up_from_k_0(name):
+    """Where budget or adaptive runs plain steps (speculation does not pay at this batch size), Calibrated's
+    exploring would run a uniform k = 1 every 8th step on top of their own probes (every 16th): at a batch of 8
+    each such step pays the draft's catch-up and verifies drafts that mostly fail. Their probes alone speculate."""
+    slow_draft = GRID.model_copy(update={"draft_ms": [[20 * v for v in row] for row in GRID.draft_ms]})
+    pol = calibrated(make_policy(name, profile(slow_draft)), profile(slow_draft))
+    picks = [pol.choose(BatchState(8, 4)) for _ in range(64)]
+    plain = [p for p in picks if p == 0]
+    assert len(plain) >= 60 and len(picks) - len(plain) == 64 // pol.inner.probe_every  # the probes alone

@@ -459,3 +459,18 @@ def test_validation_schedules_are_the_replays_parts():
     assert len(schedule(tok, "e", 3, 0.2)[1]) == len(rp.LONG_PHASES)
     with pytest.raises(ValueError, match="unknown part"):
         schedule(tok, "x", 0, 0.2)
+
+
+def test_validation_calibrates_as_deep_as_the_deepest_fixed_k_it_judges():
+    """The acceptance the simulated replica draws comes from the second calibration run's steps at its k; past
+    that it is extended geometrically, which made fixed:8 16% slow in simulation when that run was fixed:4."""
+    from serve_app.bench.simcheck import calibration_policies, measured_acceptance
+    from serve_app.engine.stats import StepStats
+
+    assert calibration_policies(["none", "fixed:1", "fixed:2", "budget"]) == ("fixed:1", "fixed:4")
+    assert calibration_policies(["none", "fixed:8", "fixed:4", "lut"]) == ("fixed:1", "fixed:8")
+    assert calibration_policies(["lut", "adaptive"]) == ("fixed:1", "fixed:4")
+    # a draft that keeps agreeing once going: positions 5-8 as measured, not a geometric tail
+    deep = [StepStats(batch_size=2, k=8, accepted_per_position=[2, 1, 1, 1, 1, 1, 1, 0]) for _ in range(4)]
+    got = measured_acceptance(deep)
+    assert len(got) == 8 and got[4:] == [0.5, 0.5, 0.5, 0.0]

@@ -102,6 +102,11 @@ class Calibration:
             # the context this step served: kept as (k index, log measured / the cell at the grid's own context,
             # the profile's growth there - 1), so the machine's factor and its growth with context fit apart
             kk = forwards if part == "draft" else k_rows
+            if part == "draft" and not forwards:
+                # no draft forward ran: what the part took (a served draft's commit held back for the next call,
+                # ~0) says nothing of drafting's price, though the profile's k = 0 cell can pass the floor below;
+                # at a large batch most steps are plain, and they priced drafting at a tenth of its cost
+                continue
             cell = self.base.part_at(part, st.batch_size, kk)
             predicted = self.base.part_at(part, st.batch_size, kk, context) if context is not None else cell
             j0, j1, wk = _between(self.base.ks, kk) if kk > 0 else (0, 0, 0.0)
@@ -388,9 +393,11 @@ class Calibrated:
         # draft), which only two columns measure. From k = 0 too (it runs k = 1): a batch size where the profile
         # says speculation never pays would show k = 0 only, and its one factor would price every k there by
         # the plain step's, so a machine whose plain step is the slow part would never speculate there again.
-        # Costs a few percent of steps near the best k.
+        # Not from k = 0 for a policy that probes there on its own (budget, adaptive): its probes give that
+        # column, and a uniform k = 1 every 8th step besides cost a batch of 8 here ~5% of its tokens (each pays
+        # the draft's catch-up over every row's tokens since the last). Costs a few percent of steps near the best k.
         self._chosen += 1
-        if self._chosen % self.explore_every:
+        if self._chosen % self.explore_every or (k == 0 and getattr(self.inner, "probe_every", 0)):
             return choice
         top = min(state.max_k, max(self.profile.latency.ks))
         step = 1 if (self._chosen // self.explore_every) % 2 else -1  # up and down by turns
