@@ -474,3 +474,6 @@ def test_validation_calibrates_as_deep_as_the_deepest_fixed_k_it_judges():
     deep = [StepStats(batch_size=2, k=8, accepted_per_position=[2, 1, 1, 1, 1, 1, 1, 0]) for _ in range(4)]
     got = measured_acceptance(deep)
     assert len(got) == 8 and got[4:] == [0.5, 0.5, 0.5, 0.0]
+    # pooled: a position counts the rows of every step that drafted it (fixed:1's steps too, for position 0)
+    shallow = [StepStats(batch_size=4, k=1, accepted_per_position=[0]) for _ in range(2)]
+    assert measured_acceptance(deep + shallow)[:2] == [0.5, 0.5]  # (4 x 2 accepted) / (4 x 2 + 2 x 4 rows); 4 / 8

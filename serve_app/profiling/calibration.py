@@ -394,7 +394,7 @@ class Calibrated:
         # says speculation never pays would show k = 0 only, and its one factor would price every k there by
         # the plain step's, so a machine whose plain step is the slow part would never speculate there again.
         # Not from k = 0 for a policy that probes there on its own (budget, adaptive): its probes give that
-        # column, and a uniform k = 1 every 8th step besides cost a batch of 8 here ~5% of its tokens (each pays
+        # column, and a uniform k = 1 every 8th step besides cost a batch of 8 here a few percent of its tokens (each pays
         # the draft's catch-up over every row's tokens since the last). Costs a few percent of steps near the best k.
         self._chosen += 1
         if self._chosen % self.explore_every or (k == 0 and getattr(self.inner, "probe_every", 0)):
