@@ -107,6 +107,32 @@ def test_steps_that_draft_nothing_say_nothing_about_the_drafts_price():
     assert cal.factors()["verify"][8] == pytest.approx(1.0)
 
 
+def test_a_copys_verification_is_calibrated_on_copies():
+    """Copies (a row drafting past the grid's longest k from its context or history) are verified at lengths the
+    profile measured once (`copy_ks`); this machine can run them off by another factor than the longest k. Their
+    steps calibrate their own cells: kept with the longest k's, the 12- and 16-token copies of a validation run
+    were priced 19% under and 12% over, and the longest k's line was bent by them."""
+    copies = [6, 8]
+    profiled = GRID.model_copy(update={"copy_ks": copies,
+                                       "copy_verify_ms": [[12 + 0.9 * b * (k + 1) for k in copies] for b in SIZES]})
+    true_copy = {6: 1.3, 8: 0.8}  # this machine: 6-token copies 30% over the profile, 8-token ones 20% under
+    cal = Calibration(profiled, warmup=0)
+    i = SIZES.index(2)
+    for n in range(96):
+        k = (4, 6, 8)[n % 3]
+        d, v, o = step_parts(GRID, 2, 4)
+        if k > 4:  # a copy: one draft forward, then k tokens verified
+            d, v = GRID.draft_ms[i][1], profiled.copy_verify_ms[i][copies.index(k)] * true_copy[k]
+        cal.observe(StepStats(batch_size=2, k=k, draft_forwards=1 if k > 4 else 4, proposed=2 * k,
+                              draft_s=d / 1000, verify_s=v / 1000, other_s=o / 1000))
+    grid = cal.grid()
+    for c, k in enumerate(copies):
+        assert grid.copy_verify_ms[i][c] == pytest.approx(profiled.copy_verify_ms[i][c] * true_copy[k], rel=1e-6)
+    assert grid.verify_ms[i][-1] == pytest.approx(GRID.verify_ms[i][-1], rel=1e-6)  # k = 4 untouched by copies
+    # a copy length no step ran moves with the longest k (here: as profiled)
+    assert Calibration(profiled, warmup=0).grid().copy_verify_ms == profiled.copy_verify_ms
+
+
 def test_steps_that_prefill_calibrate_the_chunk_price():
     n = len(SIZES)
     priced = GRID.model_copy(update={"chunk_step_ms": [5.0] * n, "chunk_ms_per_token": [0.5] * n})

@@ -20,7 +20,8 @@ the same products as the float32 path, to rounding, at about half a decode step'
 A bfloat16 model on a CPU with AVX512-BF16 (where oneDNN packs bfloat16 too) is multiplied by `bf16_dot`
 instead: the same bfloat16 dot product oneDNN uses, read in the weights' stored order, 0.70x oneDNN's time for
 SmolLM2's 30 layers of projections at 1 to 8 rows and 0.88-0.92x at 32-64, even from 128 to 512 (one layout
-for every row count), and batch-invariant (`SPECSERVE_BF16_DOT=0`: oneDNN's).
+for every row count), and batch-invariant (`SPECSERVE_BF16_DOT=0`: oneDNN's). Where the CPU has AMX (Intel Xeons),
+the same packed weights go to AMX's tiles (`bf16_amx.c`, through `bf16_dot.linear`): rows then cost next to nothing.
 
 `ModelWorker` packs its model in place on CPU devices unless `SPECSERVE_PACK_WEIGHTS=0`.
 """

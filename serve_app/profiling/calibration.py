@@ -109,13 +109,24 @@ class Calibration:
                 continue
             cell = self.base.part_at(part, st.batch_size, kk)
             predicted = self.base.part_at(part, st.batch_size, kk, context) if context is not None else cell
-            j0, j1, wk = _between(self.base.ks, kk) if kk > 0 else (0, 0, 0.0)
             if predicted > 0.05 and cell > 0.05 and seconds > 0:  # a part the grid prices at ~0 says nothing
-                jj = j0 if wk < 0.5 else j1
-                self.samples[(part, group)].append((jj, math.log(seconds * 1000 / cell), predicted / cell - 1))
+                self.samples[(part, group)].append((self._column(part, kk), math.log(seconds * 1000 / cell),
+                                                    predicted / cell - 1))
                 took = True
         self.used += took
         return took
+
+    def _column(self, part: str, k: float) -> int:
+        """The grid column a part's sample at (mean) drafted length k is kept in: the nearest profiled k, or past
+        the longest, for the verification, the nearest measured copy length (`LatencyGrid.copy_ks`: index
+        len(ks) + its index), so a copy's price is calibrated on copies, not on the longest k's steps."""
+        ks, copies = self.base.ks, self.base.copy_ks
+        if part == "verify" and copies and k > ks[-1]:
+            c0, c1, w = _between([ks[-1]] + copies, k)
+            c = c0 if w < 0.5 else c1
+            return len(ks) - 1 + c  # c = 0: the longest k itself
+        j0, j1, w = _between(ks, k) if k > 0 else (0, 0, 0.0)
+        return j0 if w < 0.5 else j1
 
     def _follow_pace(self, st: StepStats) -> None:
         if st.prefill_tokens or not st.batch_size:  # a prefill's error is its chunk price's, not the machine's pace
@@ -203,11 +214,17 @@ class Calibration:
         by_k: dict[int, list[float]] = {}
         for jj, r in samples:
             by_k.setdefault(jj, []).append(r)
-        points = [(jj, median(v)) for jj, v in by_k.items() if len(v) >= max(2, self.min_samples // 2)]
-        if len(points) < 2:  # one k seen: one factor for the row
-            return math.exp(median(r for _, r in samples))
-        rows = getattr(self.base, f"{part}_ms")[g]
+        enough = max(2, self.min_samples // 2)
+        factor = math.exp(median(r for _, r in samples))
         ks = self.base.ks
+        if j >= len(ks):  # a copy's verification (`_column`): its own steps' factor, else the longest k's
+            own = by_k.get(j, [])
+            return (min(max(math.exp(median(own)), factor / 2), factor * 2) if len(own) >= enough
+                    else self.ratio(part, i, len(ks) - 1))
+        points = [(jj, median(v)) for jj, v in by_k.items() if jj < len(ks) and len(v) >= enough]
+        if len(points) < 2:  # one k seen: one factor for the row
+            return factor
+        rows = getattr(self.base, f"{part}_ms")[g]
         # a line through the measured medians, in milliseconds against k, then as a ratio to the profile
         xs = [ks[jj] for jj, _ in points]
         ys = [rows[jj] * math.exp(r) for jj, r in points]
@@ -216,7 +233,6 @@ class Calibration:
         at = my + slope * (ks[j] - mx)
         # the line refines the group's one factor, within 2x of it either way (a line extrapolated far from the
         # k it saw can run to nonsense; the factor itself is measured, however far off the profile was)
-        factor = math.exp(median(r for _, r in samples))
         return min(max(at / rows[j], factor / 2), factor * 2) if rows[j] > 0.05 else factor
 
     def factor(self, part: str, i: int) -> float:
@@ -264,9 +280,9 @@ class Calibration:
             return self._made[1]
         scaled = {f"{part}_ms": [[v * self.ratio(part, i, j) for j, v in enumerate(row)]
                                  for i, row in enumerate(getattr(self.base, f"{part}_ms"))] for part in PARTS}
-        if self.base.copy_verify_ms is not None:  # a copy's verification moves with the grid's longest k
-            top = len(self.base.ks) - 1
-            scaled["copy_verify_ms"] = [[v * self.ratio("verify", i, top) for v in row]
+        if self.base.copy_verify_ms is not None:  # a copy's verification by its copies' steps (else the longest k's)
+            n = len(self.base.ks)
+            scaled["copy_verify_ms"] = [[v * self.ratio("verify", i, n + c) for c, v in enumerate(row)]
                                         for i, row in enumerate(self.base.copy_verify_ms)]
         chunk, held = self._chunk_fit()
         for name in CHUNK_FIELDS:
