@@ -60,11 +60,15 @@ TARGET static void configure(int rows) {
     _tile_loadconfig(&c);
 }
 
+/* A stored C tile (acc: `rows` rows of 16 float32 sums) of output block j into y's rows from m. */
+TARGET static inline void out(const float *acc, int rows, uint16_t *y, long ys, long m, long j, long N, const float *b) {
+    const long n0 = j * BLOCK, nn = N - n0 < BLOCK ? N - n0 : BLOCK;
+    for (int r = 0; r < rows; r++) put(y + (m + r) * ys + n0, _mm512_loadu_ps(acc + r * BLOCK), b ? b + n0 : 0, nn);
+}
 
 /* block g's k tile t into B tile bt (5 and 6 in turn: one loads while the other multiplies), times A into C g */
 #define DP(g, bt) if (G > g) { _tile_loadd(bt, w + (g) * stride + t * 16 * 2 * BLOCK, 64); _tile_dpbf16ps(g, 4, bt); }
-#define OUT(g) if (G > g) { _tile_stored(g, acc, 64); for (int r = 0; r < R; r++) \
-    put(y + (m + r) * ys + n0 + (g) * BLOCK, _mm512_loadu_ps(acc + r * BLOCK), b ? b + n0 + (g) * BLOCK : 0, nn(g)); }
+#define OUT(g) if (G > g) { _tile_stored(g, acc, 64); out(acc, R, y, ys, m, j0 + (g), N, b); }
 
 /* R (<= 16) rows from m against G (<= 4) blocks from j0. */
 TARGET static inline __attribute__((always_inline)) void tile(const int G, int R, const uint16_t *x, long xs,
@@ -77,10 +81,7 @@ TARGET static inline __attribute__((always_inline)) void tile(const int G, int R
         _tile_loadd(4, x + m * xs + t * 32, xs * 2);
         DP(0, 5) DP(1, 6) DP(2, 5) DP(3, 6)
     }
-    const long n0 = j0 * BLOCK;
-#define nn(g) (N - n0 - (g) * BLOCK < BLOCK ? N - n0 - (g) * BLOCK : BLOCK)
     OUT(0) OUT(1) OUT(2) OUT(3)
-#undef nn
 }
 
 /* 17-32 rows from m against blocks j0 and j0 + 1: each B tile feeds both row blocks (R: all the rows). */
@@ -100,13 +101,10 @@ TARGET static void tile22(int R, const uint16_t *x, long xs, long KT, const uint
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(3, 5, 7);
     }
-    const long n0 = j0 * BLOCK;
-#define nn(g) (N - n0 - (g) * BLOCK < BLOCK ? N - n0 - (g) * BLOCK : BLOCK)
-#define OUT22(c, g, r0, rs) _tile_stored(c, acc, 64); for (int r = 0; r < rs; r++) \
-    put(y + (m + r0 + r) * ys + n0 + (g) * BLOCK, _mm512_loadu_ps(acc + r * BLOCK), b ? b + n0 + (g) * BLOCK : 0, nn(g));
-    OUT22(0, 0, 0, 16) OUT22(1, 1, 0, 16) OUT22(2, 0, 16, R - 16) OUT22(3, 1, 16, R - 16)
-#undef OUT22
-#undef nn
+    _tile_stored(0, acc, 64); out(acc, 16, y, ys, m, j0, N, b);
+    _tile_stored(1, acc, 64); out(acc, 16, y, ys, m, j0 + 1, N, b);
+    _tile_stored(2, acc, 64); out(acc, R - 16, y, ys, m + 16, j0, N, b);
+    _tile_stored(3, acc, 64); out(acc, R - 16, y, ys, m + 16, j0 + 1, N, b);
 }
 
 /* x: M rows of K bfloat16 (K a multiple of 32), row stride xs; wb: packed weights of N outputs; b: float32 bias

@@ -22,7 +22,6 @@
 #define ROWS 6
 #define TARGET __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
 
-
 #define ACC(r) __m512 a##r##0 = _mm512_setzero_ps(), a##r##1 = a##r##0, a##r##2 = a##r##0, a##r##3 = a##r##0;
 #define DOT(r) if (R > r) { __m512bh v = (__m512bh)_mm512_set1_epi32(x[r][p]); \
     a##r##0 = _mm512_dpbf16_ps(a##r##0, w0, v); if (G > 1) a##r##1 = _mm512_dpbf16_ps(a##r##1, w1, v); \
