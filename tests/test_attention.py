@@ -132,9 +132,11 @@ def test_the_c_kernel_reads_the_pool_as_sdpa_reads_the_copy(case, heads, kv_head
 
 @needs_kernel
 @pytest.mark.parametrize("case", ["decode", "verify-ragged"])
-def test_the_c_kernel_reads_a_bfloat16_pool_as_its_float32_copy(case):
-    """A bfloat16 model's pools read as they are, widened in registers: the same sums as the kernel on float32
-    copies of the same values, rounded once to bfloat16 (so no pool-sized float32 copy is needed)."""
+def test_the_c_kernel_reads_a_bfloat16_pool_as_its_float32_copy(case, monkeypatch):
+    """A bfloat16 model's pools read as they are, widened in registers: the AVX2 item gives the same sums as the
+    kernel on float32 copies of the same values, rounded once to bfloat16 (so no pool-sized float32 copy is
+    needed)."""
+    monkeypatch.setattr(attention, "_bf16_scores", lambda: False)
     spec = [(s + 16, n) for s, n in CASES[case]]
     q, kp, vp, rows, pos, bs, nblk = attention.random_batch(spec, 9, 3, 64, seed=11, shared_prefix_blocks=1)
     q, kp, vp = q.bfloat16(), kp.bfloat16(), vp.bfloat16()
@@ -143,6 +145,48 @@ def test_the_c_kernel_reads_a_bfloat16_pool_as_its_float32_copy(case):
     got = attention.attend("gather", q, kp, vp, lay, None)
     want = attention.attend("gather", q.float(), kp.float(), vp.float(), lay, None)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
+
+
+needs_bf16_scores = pytest.mark.skipif(attention._kernel() is None or not attention._bf16_scores(),
+                                       reason="no AVX512-BF16 CPU here")
+
+
+@needs_bf16_scores
+@pytest.mark.parametrize("case", ["decode", "verify-ragged", "one-row"])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 32), (4, 4, 128), (6, 2, 96)])
+def test_the_avx512_bf16_item_reads_the_pool_as_sdpa_reads_its_float32_copy(case, heads, kv_heads, dim):
+    """bfloat16 pools on an AVX512-BF16 CPU: scores by vdpbf16ps (exact products, float32 sums in another
+    order), values widened once per token's queries; within a bfloat16 rounding of SDPA on float32 copies,
+    for every head size the kernel takes (a multiple of 32) and rows long and short of a 16-key tile."""
+    spec = [(s + 16, n) for s, n in CASES[case]] + [(5, 1), (33, 3)]
+    q, kp, vp, rows, pos, bs, nblk = attention.random_batch(spec, heads, kv_heads, dim, seed=dim + heads,
+                                                            shared_prefix_blocks=1)
+    q, kp, vp = q.bfloat16(), kp.bfloat16(), vp.bfloat16()
+    lay = attention.layout("gather", rows, pos, bs, nblk)
+    got = attention.attend("gather", q, kp, vp, lay, None)
+    attention.KERNEL_ON = False
+    try:
+        want = attention.attend("gather", q.float(), kp.float(), vp.float(), lay, None)
+    finally:
+        attention.KERNEL_ON = True
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-3)
+
+
+@needs_bf16_scores
+def test_the_avx512_bf16_item_is_batch_invariant_whether_it_takes_rows_or_heads():
+    """A row's bits are the same alone (items of one key-value head each) and in a batch large enough that items
+    take whole rows: sums in one order per query whatever the item's shape or the thread."""
+    spec = [(40 + 9 * i, 1 + i % 4) for i in range(4 * torch.get_num_threads() + 1)]
+    q, kp, vp, rows, pos, bs, nblk = attention.random_batch(spec, 9, 3, 64, seed=7)
+    q, kp, vp = q.bfloat16(), kp.bfloat16(), vp.bfloat16()
+    both = attention.attend("gather", q, kp, vp, attention.layout("gather", rows, pos, bs, nblk), None)
+    for r in (rows[0], rows[5]):
+        alone = attention.Row(0, r.n, r.start, r.table)
+        mine = slice(r.offset, r.offset + r.n)
+        one = attention.attend("gather", q[mine], kp, vp, attention.layout("gather", [alone], pos[mine], bs, nblk),
+                               None)
+        assert torch.equal(one, both[mine])
 
 
 @needs_kernel

@@ -144,9 +144,20 @@ def _kernel() -> ctypes.CDLL | None:
     """`paged_attention.c`, where this CPU runs it (AVX2 and FMA, a C compiler) and SPECSERVE_ATTENTION_KERNEL
     is not 0."""
     c_long, ptr = ctypes.c_long, ctypes.c_void_p
-    return ckernels.kernel(KERNEL, "SPECSERVE_ATTENTION_KERNEL", {"paged_attention": [
-        ptr, c_long, c_long, ptr, ptr, ptr, c_long, ptr, c_long, c_long, c_long, c_long, c_long, ctypes.c_float, ptr,
-        ctypes.c_int, ctypes.c_int]})
+    common = [ptr, c_long, c_long, ptr, ptr, ptr, c_long, ptr, c_long, c_long, c_long, c_long, c_long, ctypes.c_float,
+              ptr, ctypes.c_int]
+    return ckernels.kernel(KERNEL, "SPECSERVE_ATTENTION_KERNEL", {"paged_attention": common + [ctypes.c_int],
+                                                                 "paged_attention_bf16": common})
+
+
+@functools.cache
+def _bf16_scores() -> bool:
+    """bfloat16 pools take the AVX512-BF16 item (scores by vdpbf16ps) where this CPU has it and
+    SPECSERVE_ATTENTION_BF16 is not 0."""
+    from serve_app.hardware import cpu_flags
+
+    return os.environ.get("SPECSERVE_ATTENTION_BF16", "1") != "0" and \
+        {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags()
 
 
 KERNEL_ON = True
@@ -164,10 +175,14 @@ def _kernel_fits(q, k_pool, v_pool, g: Group) -> bool:
 
 def _kernel_attend(q, k_pool, v_pool, g: Group, scaling, out) -> None:  # q, out [T, H, D]; pools [slots, KV, D]
     h, d = q.shape[1], q.shape[2]
-    _kernel().paged_attention(q.data_ptr(), q.stride(0), q.stride(1), k_pool.data_ptr(), v_pool.data_ptr(),
-                              g.spans.data_ptr(), g.spans.shape[0], g.tables.data_ptr(), g.tables.stride(0),
-                              g.block_size, h, k_pool.shape[1], d, d ** -0.5 if scaling is None else scaling,
-                              out.data_ptr(), torch.get_num_threads(), int(k_pool.dtype == torch.bfloat16))
+    args = (q.data_ptr(), q.stride(0), q.stride(1), k_pool.data_ptr(), v_pool.data_ptr(), g.spans.data_ptr(),
+            g.spans.shape[0], g.tables.data_ptr(), g.tables.stride(0), g.block_size, h, k_pool.shape[1], d,
+            d ** -0.5 if scaling is None else scaling, out.data_ptr(), torch.get_num_threads())
+    bf16 = k_pool.dtype == torch.bfloat16
+    if bf16 and d % 32 == 0 and _bf16_scores():
+        _kernel().paged_attention_bf16(*args)
+    else:
+        _kernel().paged_attention(*args, int(bf16))
 
 
 # ---- flex -----------------------------------------------------------------------------------------
