@@ -61,6 +61,28 @@ def test_rotary_in_place_gives_torchs_bits(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_stores_keys_and_values_where_the_caches_write_puts_them(dtype):
+    """rotary's store: each row's rotated key heads and its value heads at its pool slot, the other slots
+    untouched, as `PagedKV.write`'s index_copy_ would; a bad pool is refused, not written past."""
+    torch.manual_seed(3)
+    t, heads, kv_heads, d = 7, 6, 2, 32
+    qkv = torch.randn(t, heads + 2 * kv_heads, d).to(dtype)
+    cos, sin = torch.randn(t, d).to(dtype), torch.randn(t, d).to(dtype)
+    slots = torch.tensor([40, 3, 17, 18, 5, 60, 0])
+    k_pool, v_pool = torch.randn(64, kv_heads, d).to(dtype), torch.randn(64, kv_heads, d).to(dtype)
+    want_k, want_v = k_pool.clone(), v_pool.clone()
+    rotated = qkv.clone()
+    decoder_ops.rotary(rotated, heads + kv_heads, cos, sin)
+    want_k.index_copy_(0, slots, rotated[:, heads:heads + kv_heads])
+    want_v.index_copy_(0, slots, rotated[:, heads + kv_heads:])
+    got = qkv.clone()
+    decoder_ops.rotary(got, heads + kv_heads, cos, sin, (k_pool, v_pool, slots, heads))
+    assert torch.equal(got, rotated) and torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
+    with pytest.raises(ValueError):
+        decoder_ops.rotary(qkv.clone(), heads + kv_heads, cos, sin, (k_pool[:, :1], v_pool, slots, heads))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_is_silu_of_gate_times_up(dtype):
     torch.manual_seed(1)
     gate_up = (3 * torch.randn(20, 2 * 100)).to(dtype)  # 100: a tail past the 8-lane body

@@ -13,6 +13,8 @@
  * does not depend on how a step packed it (speculation's verify against a plain decode). Rows are split over
  * OpenMP threads only when there are enough of them to pay for the threads' start.
  */
+#include <string.h>
+
 #include "lanes8.h"
 
 #define MANY_ROWS 16
@@ -62,9 +64,11 @@ void add_rms_norm(const void *h, long hs, const void *delta, long ds, void *h_ou
 
 /* In place on the first H heads of each row of qk (row stride ts, head stride hs, D per head, D a multiple of
  * 16): x * cos + rotate_half(x) * sin, with rotate_half's negation already on sin's first half (sin_signed), so
- * the three roundings are torch's: x * cos, the rotated x * sin, their sum. cos, sin: [T, D], row stride cs. */
+ * the three roundings are torch's: x * cos, the rotated x * sin, their sum. cos, sin: [T, D], row stride cs.
+ * With kp: then row t's KV key heads (heads first .. first + KV - 1, rotated) and the KV value heads after them go
+ * to pool slot slots[t] of kp and vp ([slots][KV][D], contiguous): the layer's cache write, while the row is hot. */
 void rotary(void *qk, long ts, long hs, long T, long H, long D, const void *cos, const void *sin_signed, long cs,
-            int bf16, int threads) {
+            int bf16, int threads, void *kp, void *vp, const int64_t *slots, long first, long KV) {
     const long half = D / 2;
     #pragma omp parallel for schedule(static) num_threads(threads) if (T >= MANY_ROWS)
     for (long t = 0; t < T; t++) {
@@ -78,6 +82,13 @@ void rotary(void *qk, long ts, long hs, long T, long H, long D, const void *cos,
                 __m256 nb = round8(_mm256_add_ps(round8(_mm256_mul_ps(b, cb), bf16), round8(_mm256_mul_ps(a, sb), bf16)), bf16);
                 store8(qk, base + i, na, bf16);
                 store8(qk, base + half + i, nb, bf16);
+            }
+        }
+        if (kp) {
+            const long e = bf16 ? 2 : 4;
+            for (long h = 0; h < KV; h++) {
+                memcpy((char *)kp + (slots[t] * KV + h) * D * e, (char *)qk + (t * ts + (first + h) * hs) * e, D * e);
+                memcpy((char *)vp + (slots[t] * KV + h) * D * e, (char *)qk + (t * ts + (first + KV + h) * hs) * e, D * e);
             }
         }
     }

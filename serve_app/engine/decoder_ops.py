@@ -27,7 +27,8 @@ def _library() -> ctypes.CDLL | None:
     return ckernels.kernel(SOURCE, "SPECSERVE_DECODER_OPS", {
         "add_rms_norm": [ptr, c_long, ptr, c_long, ptr, c_long, ptr, ctypes.c_float, ptr, c_long, c_long, c_long,
                          c_int, c_int],
-        "rotary": [ptr, c_long, c_long, c_long, c_long, c_long, ptr, ptr, c_long, c_int, c_int],
+        "rotary": [ptr, c_long, c_long, c_long, c_long, c_long, ptr, ptr, c_long, c_int, c_int, ptr, ptr, ptr, c_long,
+                   c_long],
         "silu_mul": [ptr, c_long, ptr, c_long, c_long, c_long, c_int, c_int]})
 
 
@@ -58,14 +59,27 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     return (h if out is None else out), normed
 
 
-def rotary(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
+def rotary(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin_signed: torch.Tensor, store=None) -> None:
     """Rotate the first `heads` heads of qkv ([T, heads + more, D], each head contiguous) in place by cos and
-    sin_signed ([T, D] in qkv's dtype; sin with rotate_half's negation on its first half)."""
+    sin_signed ([T, D] in qkv's dtype; sin with rotate_half's negation on its first half). store: (k_pool, v_pool,
+    slots, first) to then write each row's key heads (first .. first + KV - 1, KV = the pools' heads) and the value
+    heads after them at pool slots [T] (pools [slots, KV, D], contiguous, qkv's dtype)."""
     t, _, d = qkv.shape
     if qkv.stride(2) != 1 or cos.stride(1) != 1 or sin_signed.stride() != cos.stride():
         raise ValueError("rotary: heads and cos / sin rows must be contiguous, cos and sin alike")
+    kp = vp = slots = None
+    first = kv = 0
+    if store is not None:
+        k_pool, v_pool, slots_t, first = store
+        kv = k_pool.shape[1]
+        if not (k_pool.is_contiguous() and v_pool.is_contiguous() and k_pool.dtype == v_pool.dtype == qkv.dtype
+                and k_pool.shape[1:] == v_pool.shape[1:] == (kv, d) and slots_t.dtype == torch.int64
+                and slots_t.is_contiguous() and slots_t.shape == (t,) and first + 2 * kv <= qkv.shape[1]):
+            raise ValueError("rotary: pools must be contiguous [slots, KV, D] in qkv's dtype, slots int64 [T]")
+        kp, vp, slots = k_pool.data_ptr(), v_pool.data_ptr(), slots_t.data_ptr()
     _library().rotary(qkv.data_ptr(), qkv.stride(0), qkv.stride(1), t, heads, d, cos.data_ptr(),
-                      sin_signed.data_ptr(), cos.stride(0), int(qkv.dtype == torch.bfloat16), torch.get_num_threads())
+                      sin_signed.data_ptr(), cos.stride(0), int(qkv.dtype == torch.bfloat16), torch.get_num_threads(),
+                      kp, vp, slots, first, kv)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]

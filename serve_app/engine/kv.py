@@ -25,6 +25,7 @@ flash-attn kernels; its allocator is tied to its own scheduler's request objects
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from array import array
@@ -206,13 +207,19 @@ class PagedKV(Cache):
 
     def write(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
         """Store one forward's keys and values ([T, kv_heads, head_dim] each) of a layer at pool slots [T]."""
+        k_pool, v_pool = self.pools(layer_idx, keys)
+        k_pool.index_copy_(0, slots, keys)
+        v_pool.index_copy_(0, slots, values)
+
+    def pools(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's key and value pools ([slots, kv_heads, head_dim]), made on its first write (`like`: keys
+        [T, kv_heads, head_dim] of the pools' dtype and device) and grown to the blocks handed out."""
         if layer_idx == len(self.keys):
-            shape = (0, keys.shape[1], keys.shape[2])
-            self.keys.append(keys.new_zeros(shape))
-            self.values.append(values.new_zeros(shape))
+            shape = (0, like.shape[1], like.shape[2])
+            self.keys.append(like.new_zeros(shape))
+            self.values.append(like.new_zeros(shape))
         self._fit(layer_idx)
-        self.keys[layer_idx].index_copy_(0, slots, keys)
-        self.values[layer_idx].index_copy_(0, slots, values)
+        return self.keys[layer_idx], self.values[layer_idx]
 
     def attend(self, layer_idx: int, q: torch.Tensor, layout, scaling: float) -> torch.Tensor:
         """Attention of a forward's queries ([T, heads, head_dim]) over a layer's pool, by this cache's
@@ -252,6 +259,11 @@ class PackedBatch:
     layout: object  # attention.layout(backend, ...): gather's groups or flex's tiles
     cache: PagedKV
     _on: dict = field(default_factory=dict)  # device -> this batch there (a model split over devices)
+
+    @functools.cached_property
+    def last_slot(self) -> int:
+        """The highest slot this forward writes (a C write checks it against the pool's size once)."""
+        return int(self.slots.max()) if len(self.slots) else -1
 
     def on(self, device) -> "PackedBatch":
         if device not in self._on:

@@ -83,13 +83,16 @@ def _attention(attn, x: torch.Tensor, cos, sin, half: int, batch, cache, ops: bo
     heads = attn.config.num_attention_heads
     qkv = _qkv(attn, x).view(t, -1, d)  # [T, H + 2 KV, D], a new tensor
     kv_heads = (qkv.shape[1] - heads) // 2
-    if ops and d % 16 == 0:  # queries and keys rotated in place, in one pass
-        decoder_ops.rotary(qkv, heads + kv_heads, cos, sin)
+    if ops and d % 16 == 0:  # queries and keys rotated in place, then keys and values to the pool, in one pass
+        k_pool, v_pool = cache.pools(attn.layer_idx, qkv[:, heads:heads + kv_heads])
+        if batch.last_slot >= k_pool.shape[0]:
+            raise RuntimeError(f"slot {batch.last_slot} past the pool's {k_pool.shape[0]}")  # never: blocks are reserved
+        decoder_ops.rotary(qkv, heads + kv_heads, cos, sin, (k_pool, v_pool, batch.slots, heads))
         qk = qkv
     else:  # queries and keys: one rotary for both
         qk = qkv[:, :heads + kv_heads]
         qk = qk * cos[:, None] + torch.cat([qk[..., half:], qk[..., :half]], dim=-1) * sin[:, None]
-    cache.write(attn.layer_idx, qk[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:], batch.slots)
+        cache.write(attn.layer_idx, qk[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:], batch.slots)
     out = cache.attend(attn.layer_idx, qk[:, :heads], batch.layout, attn.scaling)  # [T, H, D]
     return attn.o_proj(out.reshape(t, heads * d))
 
