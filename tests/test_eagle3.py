@@ -28,6 +28,8 @@ def draft(target):
         for name in ("q_proj", "k_proj", "v_proj"):
             w = getattr(d.self_attn, name).weight
             w[:, : w.shape[1] // 2] = torch.randn(w.shape[0], w.shape[1] // 2, generator=g, dtype=w.dtype) * 0.1
+        for norm in (d.input_layernorm, d.hidden_norm, d.post_attention_layernorm, d.norm):  # each its own
+            norm.weight.mul_(1 + 0.3 * torch.randn(norm.weight.shape, generator=g, dtype=norm.weight.dtype))
     return d
 
 
@@ -67,10 +69,14 @@ def recompute(draft, target, tokens, k):
     return out
 
 
-def test_proposals_equal_a_recompute_from_scratch(target, draft):
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "wrapped"])
+def test_proposals_equal_a_recompute_from_scratch(target, draft, lean):
     """Catch-up after k = 0 steps, ragged rows, rows leaving: the cached draft proposes exactly what a
-    from-scratch computation over the target's real features proposes."""
+    from-scratch computation over the target's real features proposes, through the lean draft step
+    (`lean.draft_step`, which the stock layer takes) and through transformers' modules."""
     tw, dw = ModelWorker(target, "target"), EagleWorker(draft)
+    assert dw.lean_draft
+    dw.lean_draft = lean
     tw.capture_features(LAYERS)
     ids = ["a", "b", "c"]
     params = [SamplingParams()] * 3

@@ -52,3 +52,44 @@ def test_only_stock_llama_decoders_go_lean():
     assert lean.supports(llama)
     llama.model.layers[1].self_attn = torch.nn.Identity()
     assert not lean.supports(llama)
+
+
+def _draft_steps(worker) -> list[torch.Tensor]:
+    """A draft's outputs (logits, state, reduced logits) over a catch-up, a ragged step and a one-token step."""
+    g = torch.Generator().manual_seed(3)
+    p = SamplingParams(max_tokens=8, temperature=0)
+    worker.add(["a", "b"], [list(range(5, 25)), [3, 4, 9]], [p, p])
+    h = worker.model.config.hidden_size
+    outs, starts = [], [0, 0]
+    for fed in ([list(range(6, 25)), [4, 9]], [[30, 31, 32], [33]], [[34], [35]]):
+        hidden = torch.randn(sum(map(len, fed)), h, generator=g).to(worker.model.dtype)
+        outs += worker._step(["a", "b"], fed, starts, hidden, 1)
+        starts = [s + len(f) for s, f in zip(starts, fed)]
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ops", [False, True], ids=["torch-ops", "c-ops"])
+def test_lean_draft_step_is_the_wrapped_one(dtype, ops, monkeypatch):
+    """An EAGLE-3 draft's layer through `lean.draft_step` against transformers' modules (`Eagle3Draft.step`):
+    bit for bit with torch's ops, to rounding with the C norms (each norm its own weights, so a swapped one
+    shows)."""
+    from serve_app.drafting.eagle3 import Eagle3Draft
+    from serve_app.drafting.eagle3_worker import EagleWorker
+
+    monkeypatch.setattr(decoder_ops, "ON", ops)
+    target = tiny_llama(97, layers=4, dtype=dtype, seed=6)
+    draft = Eagle3Draft.from_target(target, torch.arange(0, 97, 2), [0, 1, 2])
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p is not draft.embed_tokens.weight:
+                p.add_(0.2 * torch.randn(p.shape, generator=g).to(dtype))
+    fast, slow = EagleWorker(draft), EagleWorker(copy.deepcopy(draft))
+    assert fast.lean_draft
+    slow.lean_draft = False
+    for a, b in zip(_draft_steps(fast), _draft_steps(slow)):
+        if ops:
+            torch.testing.assert_close(a, b, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
+        else:
+            assert torch.equal(a, b)

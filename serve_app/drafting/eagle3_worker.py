@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from serve_app.engine import lean
 from serve_app.engine.draftplan import DraftPlan
 from serve_app.engine.kv import pack
 from serve_app.engine.worker import (Drafting, ModelWorker, Proposal, _backlog_agreement, backlog_window, mark_verified,
@@ -28,6 +29,8 @@ class EagleWorker(ModelWorker):
     def __init__(self, draft, pad_id: int = 0):
         super().__init__(draft, "draft", pad_id)
         self.feature_dim = draft.fc.in_features
+        self.lean_draft = lean.draft_supports(draft)
+        """Draft steps run `lean.draft_step` (its layer is the stock Llama modules), not transformers' wrappers."""
 
     def shares_prefixes(self) -> bool:
         """Never: draft position p holds f_p with token p + 1, so a block depends on the token after it."""
@@ -134,9 +137,12 @@ class EagleWorker(ModelWorker):
         index = self._last(fed, keep).to(self.device)  # [B, keep]
         ids, pos, batch = pack(self.cache, seq_ids, fed, starts, self.device)
         self.cache.batch = batch
-        with paged_attention(self.model):
-            state = self.model.step(ids, hidden[None].to(self.device), pos, None, self.cache,
-                                    specserve_batch=batch)[0, index]
+        if self.lean_draft:
+            state = lean.draft_step(self.model, ids[0], hidden.to(self.device), pos[0], batch)[index]
+        else:
+            with paged_attention(self.model):
+                state = self.model.step(ids, hidden[None].to(self.device), pos, None, self.cache,
+                                        specserve_batch=batch)[0, index]
         self.cache.batch = None
         small = self.model.reduced_logits(state)
         logits = self.model.spread(small)

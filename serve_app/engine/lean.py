@@ -46,10 +46,7 @@ def forward(model, ids: torch.Tensor, pos: torch.Tensor, batch, index: torch.Ten
     decoder = model.model
     cache = batch.cache
     h = decoder.embed_tokens(ids)  # [T, hidden]
-    cos, sin = decoder.rotary_emb(h, pos[None])  # [1, T, D] each, in h's dtype
-    half = cos.shape[-1] // 2
-    cos = cos[0]  # [T, D]
-    sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # rotate_half's sign on sin
+    cos, sin, half = rotation(decoder.rotary_emb, h, pos)  # [T, D] each, in h's dtype
     ops = decoder_ops.fits(h) and model.config.hidden_act == "silu"
     layers = decoder.layers
     x = None  # with ops: the next layer's normed input, computed with the residual add that ends a layer
@@ -72,6 +69,39 @@ def forward(model, ids: torch.Tensor, pos: torch.Tensor, batch, index: torch.Ten
     if capture is not None and len(layers) in capture:
         capture[len(layers)] = h
     return decoder.norm(h[index])
+
+
+def rotation(rotary_emb, like: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(cos [T, D], sin [T, D] with rotate_half's sign on its first half, half) for positions pos [T]."""
+    cos, sin = rotary_emb(like, pos[None])  # [1, T, D] each, in like's dtype
+    half = cos.shape[-1] // 2
+    return cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1), half
+
+
+def draft_supports(draft) -> bool:
+    """An EAGLE-3 draft (`drafting.eagle3.Eagle3Draft`) whose layer is the stock Llama modules: `draft_step` runs it."""
+    return type(draft.self_attn) is llama.LlamaAttention and type(draft.mlp) is llama.LlamaMLP \
+        and all(type(n) is llama.LlamaRMSNorm for n in (draft.input_layernorm, draft.hidden_norm,
+                                                        draft.post_attention_layernorm, draft.norm)) \
+        and draft.config.hidden_act == "silu"
+
+
+def draft_step(draft, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, batch) -> torch.Tensor:
+    """`Eagle3Draft.step` over a packed batch (ids, pos [T]; hidden [T, H]) -> state [T, H], without transformers'
+    wrappers: the same modules for what carries weights, this file's attention (rotary, the pool write and the
+    paged attention in few calls) and the C norms where they run."""
+    emb = draft.embed_tokens(ids).to(hidden.dtype)
+    cos, sin, half = rotation(draft.rotary_emb, hidden, pos)
+    ops = decoder_ops.fits(hidden)
+    if ops:
+        x = torch.cat([decoder_ops.add_rms_norm(emb, None, *_norm(draft.input_layernorm))[1],
+                       decoder_ops.add_rms_norm(hidden, None, *_norm(draft.hidden_norm))[1]], dim=-1)  # [T, 2H]
+        a = _attention(draft.self_attn, x, cos, sin, half, batch, batch.cache, True)
+        h, x = decoder_ops.add_rms_norm(hidden, a, *_norm(draft.post_attention_layernorm))
+        return h + _mlp(draft.mlp, x)
+    x = torch.cat([draft.input_layernorm(emb), draft.hidden_norm(hidden)], dim=-1)
+    h = hidden + _attention(draft.self_attn, x, cos, sin, half, batch, batch.cache, False)
+    return h + draft.mlp(draft.post_attention_layernorm(h))
 
 
 def _norm(norm) -> tuple[torch.Tensor, float]:
