@@ -94,17 +94,15 @@ def gather_layout(rows: list[Row], pos: torch.Tensor, block_size: int) -> list[G
 
 
 def _group(rows: list[Row], pos: torch.Tensor, bs: int) -> Group:
+    # built as host lists and made tensors once each: a decode step's rows cost no tensor op apiece
     width = max(r.n for r in rows)
     length = max(r.start + r.n for r in rows)
-    col = torch.arange(width)
-    q_index = torch.stack([r.offset + torch.clamp(col - (width - r.n), min=0) for r in rows])  # [B, T]
-    valid = torch.tensor([b * width + c for b, r in enumerate(rows) for c in range(width - r.n, width)])
-    at = q_index.flatten()[valid]
+    q_rows = [[r.offset + max(c - (width - r.n), 0) for c in range(width)] for r in rows]
+    q_index = torch.tensor(q_rows, dtype=torch.long)  # [B, T]
+    valid = torch.tensor([b * width + c for b, r in enumerate(rows) for c in range(width - r.n, width)], dtype=torch.long)
+    at = torch.tensor([q for r, qs in zip(rows, q_rows) for q in qs[width - r.n:]], dtype=torch.long)
     nblk = -(-length // bs)
-    tables = torch.full((len(rows), nblk), TRASH, dtype=torch.long)
-    for b, r in enumerate(rows):
-        t = r.table[:nblk]
-        tables[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+    tables = torch.tensor([r.table[:nblk] + [TRASH] * (nblk - len(r.table[:nblk])) for r in rows], dtype=torch.long)
     kv_slots = (tables[:, :, None] * bs + torch.arange(bs)).reshape(len(rows), -1)[:, :length]  # [B, L]
     if len(rows) == 1 and rows[0].start == 0:  # a prompt's first chunk: keys = its queries, plain causal
         return Group(q_index, valid, at, kv_slots, None)

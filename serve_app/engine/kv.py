@@ -279,19 +279,21 @@ def pack(cache: PagedKV, sids: list[str], fed: list[list[int]], starts: list[int
     that tells `paged_attention` where they go. Rows feeding nothing are left out."""
     ids, pos, slots = [], [], []
     rows: list[attention.Row] = []
-    for sid, tokens, start in zip(sids, fed, starts):
+    bs = cache.block_size
+    for sid, tokens, start in zip(sids, fed, starts):  # host lists, made tensors once: no tensor op a row
         n = len(tokens)
         if not n:
             continue
         cache.reserve(sid, start + n)
-        p = torch.arange(start, start + n)
-        rows.append(attention.Row(len(ids), n, start, cache.tables[sid]))
+        table = cache.tables[sid]
+        rows.append(attention.Row(len(ids), n, start, table))
         ids += tokens
-        pos.append(p)
-        slots.append(cache.slots(sid, p))
-    pos_t = torch.cat(pos)
+        where = range(start, start + n)
+        pos += where
+        slots += [table[p // bs] * bs + p % bs for p in where]
+    pos_t = torch.tensor(pos, dtype=torch.long)
     lay = attention.layout(cache.attention, rows, pos_t, cache.block_size, cache.num_blocks)
-    batch = PackedBatch(torch.cat(slots), lay, cache)
+    batch = PackedBatch(torch.tensor(slots, dtype=torch.long), lay, cache)
     batch = batch.on(torch.device(device))
     return (torch.tensor([ids], device=device), pos_t[None].to(device), batch)
 
