@@ -224,3 +224,22 @@ def test_top_p_floor_cuts_what_torchs_loop_cuts(vocab, top_k, torch_ops):
     assert parted[p < 1.0].sum() == 0  # below a top_p of 1 the rows' cuts are the same
     floor = vocab_ops.top_p_floor(x, k, p)
     assert torch.isnan(floor[2]) == (vocab > vocab_ops.WIDEST and top_k == 0)  # the flat row: torch's loop
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [7, 100, 49152])
+def test_argmax_is_torchs_max_indices(dtype, vocab):
+    """The first largest, ties and all (bfloat16 rows are full of them), NaN counted largest, a row of -inf at 0;
+    rows alone as in the batch."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(40, vocab, generator=g).to(dtype)
+    x[1] = x[1].round()  # many equal values: the first of the largest
+    x[2, vocab // 2] = float("nan")
+    x[2, -1] = float("nan")
+    x[3] = float("-inf")
+    x[4, -1] = float("inf")
+    x[5, 0] = x[5].max()  # the largest at index 0 and elsewhere
+    got = vocab_ops.argmax(x)
+    assert torch.equal(got, x.max(dim=-1).indices)
+    for r in (0, 2, 39):
+        assert torch.equal(vocab_ops.argmax(x[r:r + 1]), got[r:r + 1])

@@ -12,6 +12,7 @@
  * Batch-invariant: each row is computed the same way whatever the other rows or the threads, so a
  * request's probabilities do not depend on the batch it shares (seeded text the same at any k).
  */
+#include <stdint.h>
 #include <stdlib.h>
 
 #include "lanes8.h"
@@ -366,5 +367,39 @@ void top_p_floor(const float *x, long xs, long R, long V, const long *top_k, con
             width = width * 8 < V ? width * 8 : V;
             width = width < widest ? width : widest;
         }
+    }
+}
+
+/* out[r] = the first index of row r's largest value, as torch's max(dim=-1).indices on a CPU: NaN counts as the
+ * largest (the first NaN's index). Two passes, the row still in cache for the second. */
+void row_argmax(const void *x, long xs, long R, long V, int64_t *out, int bf16, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (R > 1 && R * V >= MANY_ELEMENTS)
+    for (long r = 0; r < R; r++) {
+        const long body = V & ~7L, base = r * xs;
+        __m256 mv = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
+        for (long i = 0; i < body; i += 8) {
+            __m256 v = load8(x, base + i, bf16);
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            mv = _mm256_max_ps(mv, v);
+        }
+        float m = hmax8(mv);
+        int nan = _mm256_movemask_ps(bad) != 0;
+        for (long i = body; i < V; i++) {
+            float v = widen(x, base + i, bf16);
+            nan |= v != v;
+            m = v > m ? v : m;
+        }
+        long at = 0;
+        if (nan) {
+            while (at < V && widen(x, base + at, bf16) == widen(x, base + at, bf16)) at++;
+        } else {
+            const __m256 mm = _mm256_set1_ps(m);
+            long i = 0;
+            for (; i < body; i += 8)
+                if (_mm256_movemask_ps(_mm256_cmp_ps(load8(x, base + i, bf16), mm, _CMP_EQ_OQ))) break;
+            while (i < V && widen(x, base + i, bf16) != m) i++;
+            at = i < V ? i : 0;  /* a row of -inf: index 0, as torch */
+        }
+        out[r] = at;
     }
 }

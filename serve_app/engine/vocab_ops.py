@@ -1,4 +1,4 @@
-"""The sampling path's vocabulary passes in one C call each on a CPU (`vocab_ops.c`): a row's logsumexp, its strided
+"""The sampling path's vocabulary passes in one C call each on a CPU (`vocab_ops.c`): a row's argmax, its logsumexp, its strided
 block maxima (`sampling.BLOCK`), its largest values, a cut below a floor, top-k / top-p's floor, and the coupled
 sampler's Gumbel-max choice.
 
@@ -33,7 +33,8 @@ def _library() -> ctypes.CDLL | None:
         "top_values": [ptr, c_long, c_long, c_long, c_long, ptr, ptr, c_int, c_int],
         "cut_below": [ptr, c_long, c_long, c_long, ptr, c_int],
         "gumbel_argmax": [ptr, c_long, c_long, c_long, ptr, ptr, c_int, c_int],
-        "top_p_floor": [ptr, c_long, c_long, c_long, ptr, ptr, ptr, c_long, c_int]})
+        "top_p_floor": [ptr, c_long, c_long, c_long, ptr, ptr, ptr, c_long, c_int],
+        "row_argmax": [ptr, c_long, c_long, c_long, ptr, c_int, c_int]})
 
 
 def fits(x: torch.Tensor) -> bool:
@@ -41,6 +42,15 @@ def fits(x: torch.Tensor) -> bool:
     built, ON."""
     return (ON and x.dim() == 2 and x.device.type == "cpu" and x.dtype in _DTYPES and x.stride(-1) == 1
             and _library() is not None)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] long
+    """Each row's first index of its largest value (NaN the largest): torch's max(dim=-1).indices."""
+    rows, vocab = x.shape
+    out = torch.empty(rows, dtype=torch.long)
+    _library().row_argmax(x.data_ptr(), x.stride(0), rows, vocab, out.data_ptr(), int(x.dtype == torch.bfloat16),
+                          torch.get_num_threads())
+    return out
 
 
 def logsumexp(x: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] float32
