@@ -306,13 +306,17 @@ T512 static void item16(const uint16_t *q, long qs_t, long qs_h, const uint16_t 
 void paged_attention_bf16(const void *q, long qs_t, long qs_h, const void *kp, const void *vp, const int64_t *rows,
                           long B, const int64_t *tables, long tab_stride, long bs, long H, long KV, long D, float scale,
                           void *out, int threads) {
-    const long per = B >= 4 * threads ? KV : 1;  /* heads an item takes: a whole row's once rows share out evenly */
-    long most = 0;
+    long most = 0, most_row = 0;  /* scratch floats an item of one head, of a whole row's heads */
     for (long b = 0; b < B; b++) {
         const long n = rows[3 * b + 1], L = rows[3 * b + 2] + n, Lp = (L + 15) & ~15L;
-        const long need = per * n * (H / KV) * (Lp + 1) + 2 * L + 4;
-        most = need > most ? need : most;
+        const long one = n * (H / KV) * (Lp + 1) + 2 * L + 4, row = KV * n * (H / KV) * (Lp + 1) + 2 * L + 4;
+        most = one > most ? one : most;
+        most_row = row > most_row ? row : most_row;
     }
+    /* heads an item takes: a whole row's once rows share out evenly over the threads and its scores fit in a few
+     * MB (long contexts keep an item per head: its scratch is KV times smaller) */
+    const long per = B >= 4 * threads && most_row <= (1L << 20) ? KV : 1;
+    if (per > 1) most = most_row;
 #pragma omp parallel num_threads(threads)
     {
         float *s = aligned_alloc(64, sizeof(float) * ((most + 15) & ~15L));
