@@ -28,6 +28,25 @@ static inline float hmax8(__m256 v) {
     return m;
 }
 
+/* The largest of V values from element base (NaN skipped), and whether any is NaN (*nan). */
+static inline float row_max(const void *x, long base, long V, int bf16, int *nan) {
+    const long body = V & ~7L;
+    __m256 mv = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
+    for (long i = 0; i < body; i += 8) {
+        __m256 v = load8(x, base + i, bf16);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        mv = _mm256_max_ps(mv, v);
+    }
+    float m = hmax8(mv);
+    *nan = _mm256_movemask_ps(bad) != 0;
+    for (long i = body; i < V; i++) {
+        float v = widen(x, base + i, bf16);
+        *nan |= v != v;
+        m = v > m ? v : m;
+    }
+    return m;
+}
+
 /* out[r] = log(sum(exp(x[r, :]))): -inf for a row of -inf, +inf where the row holds +inf, NaN where it holds NaN.
  * exp(x - max) is clamped below at exp(-87) (a normal float: no denormals, which CPUs handle ~25x slower);
  * against the row max's exp(0) = 1 the at most V * 1.7e-38 this adds is far below a float32 ulp. Each CHUNK of
@@ -36,19 +55,8 @@ void row_logsumexp(const void *x, long xs, long R, long V, float *out, int bf16,
     #pragma omp parallel for schedule(static) num_threads(threads) if (R > 1 && R * V >= MANY_ELEMENTS)
     for (long r = 0; r < R; r++) {
         const long body = V & ~7L, base = r * xs;
-        __m256 mv = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
-        for (long i = 0; i < body; i += 8) {
-            __m256 v = load8(x, base + i, bf16);
-            bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-            mv = _mm256_max_ps(mv, v);
-        }
-        float m = hmax8(mv);
-        int nan = _mm256_movemask_ps(bad) != 0;
-        for (long i = body; i < V; i++) {
-            float v = widen(x, base + i, bf16);
-            nan |= v != v;
-            m = v > m ? v : m;
-        }
+        int nan;
+        const float m = row_max(x, base, V, bf16, &nan);
         if (nan) { out[r] = NAN; continue; }
         if (isinf(m)) { out[r] = m; continue; }  /* every term -inf (an empty row), or an infinite logit */
         const __m256 mm = _mm256_set1_ps(m), floor = _mm256_set1_ps(-87.0f);
@@ -376,19 +384,8 @@ void row_argmax(const void *x, long xs, long R, long V, int64_t *out, int bf16, 
     #pragma omp parallel for schedule(static) num_threads(threads) if (R > 1 && R * V >= MANY_ELEMENTS)
     for (long r = 0; r < R; r++) {
         const long body = V & ~7L, base = r * xs;
-        __m256 mv = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
-        for (long i = 0; i < body; i += 8) {
-            __m256 v = load8(x, base + i, bf16);
-            bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-            mv = _mm256_max_ps(mv, v);
-        }
-        float m = hmax8(mv);
-        int nan = _mm256_movemask_ps(bad) != 0;
-        for (long i = body; i < V; i++) {
-            float v = widen(x, base + i, bf16);
-            nan |= v != v;
-            m = v > m ? v : m;
-        }
+        int nan;
+        const float m = row_max(x, base, V, bf16, &nan);
         long at = 0;
         if (nan) {
             while (at < V && widen(x, base + at, bf16) == widen(x, base + at, bf16)) at++;
