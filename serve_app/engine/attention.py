@@ -112,9 +112,10 @@ def _group(rows: list[Row], pos: torch.Tensor, bs: int) -> Group:
     return Group(q_index, valid, at, kv_slots, mask[:, None], spans, tables, bs)
 
 
-def gather_attend(q, k_pool, v_pool, groups: list[Group], scaling) -> torch.Tensor:
-    # q [T, H, D]; k_pool, v_pool [slots, kv_heads, D] -> [T, H, D]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+def gather_attend(q, k_pool, v_pool, groups: list[Group], scaling, out: torch.Tensor | None = None) -> torch.Tensor:
+    # q [T, H, D]; k_pool, v_pool [slots, kv_heads, D] -> out [T, H, D] (each group's rows written; new if None)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     gqa = q.shape[1] != k_pool.shape[1]
     for g in groups:  # index_select, not [index]: whole rows copied, not element by element (3-5x faster)
         if _kernel_fits(q, k_pool, v_pool, g):  # writes its rows of out in place
@@ -176,11 +177,16 @@ def _kernel_attend(q, k_pool, v_pool, g: Group, scaling, out) -> None:  # q, out
     args = (q.data_ptr(), q.stride(0), q.stride(1), k_pool.data_ptr(), v_pool.data_ptr(), g.spans.data_ptr(),
             g.spans.shape[0], g.tables.data_ptr(), g.tables.stride(0), g.block_size, h, k_pool.shape[1], d,
             d ** -0.5 if scaling is None else scaling, out.data_ptr(), torch.get_num_threads())
-    bf16 = k_pool.dtype == torch.bfloat16
+    fn, tail = kernel_entry(k_pool.dtype, d)
+    fn(*args, *tail)
+
+
+def kernel_entry(dtype: torch.dtype, d: int) -> tuple:
+    """(the C kernel's function for pools of `dtype` and head size d, the arguments it takes after the common ones)."""
+    bf16 = dtype == torch.bfloat16
     if bf16 and d % 32 == 0 and _bf16_scores():
-        _kernel().paged_attention_bf16(*args)
-    else:
-        _kernel().paged_attention(*args, int(bf16))
+        return _kernel().paged_attention_bf16, ()
+    return _kernel().paged_attention, (int(bf16),)
 
 
 # ---- flex -----------------------------------------------------------------------------------------

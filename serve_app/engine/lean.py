@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from transformers.models.llama import modeling_llama as llama
 
-from serve_app.engine import decoder_ops
+from serve_app.engine import decoder_ops, direct
 from serve_app.engine.packing import FusedPart
 
 
@@ -49,6 +49,13 @@ def forward(model, ids: torch.Tensor, pos: torch.Tensor, batch, index: torch.Ten
     cos, sin, half = rotation(decoder.rotary_emb, h, pos)  # [T, D] each, in h's dtype
     ops = decoder_ops.fits(h) and model.config.hidden_act == "silu"
     layers = decoder.layers
+    calls = direct.layers(model, h.dtype) if ops and cache.attention == "gather" \
+        and layers[0].self_attn.head_dim % 16 == 0 else None
+    if calls is not None:  # the same kernels, called without the modules' wrappers
+        h = calls.forward(h, cos, sin, batch, capture)
+        if capture is not None and len(layers) in capture:
+            capture[len(layers)] = h
+        return decoder.norm(h[index])
     x = None  # with ops: the next layer's normed input, computed with the residual add that ends a layer
     for i, layer in enumerate(layers):
         if capture is not None and i in capture:
