@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from serve_app.config import SamplingParams
-from serve_app.engine import bf16_dot, decoder_ops, direct
+from serve_app.engine import bf16_dot, decoder_ops, direct, packing
 from serve_app.engine.worker import ModelWorker
 
 pytestmark = pytest.mark.skipif(not (bf16_dot.available() and decoder_ops._library() is not None),
@@ -51,14 +51,19 @@ def _steps(worker: ModelWorker) -> list[torch.Tensor]:
     return outs + list(worker.cache.keys) + list(worker.cache.values)
 
 
-@pytest.mark.parametrize("intermediate", [96, 80], ids=["amx-or-dot", "dot-down"])
-def test_direct_calls_are_bit_for_bit_the_lean_forward(intermediate, monkeypatch):
-    model = _model(intermediate)
+@pytest.mark.parametrize("intermediate, dtype", [(96, torch.bfloat16), (80, torch.bfloat16), (96, torch.float32)],
+                         ids=["amx-or-dot", "dot-down", "float32-bf16-linear"])
+def test_direct_calls_are_bit_for_bit_the_lean_forward(intermediate, dtype, monkeypatch):
+    """bfloat16 models, and a bfloat16 model widened to float32 on a CPU taken for one without bfloat16 products
+    (its weights kept as bfloat16 bits for `bf16_linear`, float32 activations: the AVX2 machines' path)."""
+    if dtype == torch.float32:
+        monkeypatch.setattr(packing, "supports", lambda d: d == torch.float32)
+    model = _model(intermediate).to(dtype)
     worker = ModelWorker(model, "target")
-    assert worker.lean and direct.layers(model, torch.bfloat16) is not None
+    assert worker.lean and direct.layers(model, dtype) is not None
     fast = _steps(worker)
     monkeypatch.setattr(direct, "ON", False)
-    slow = _steps(ModelWorker(_model(intermediate), "target"))
+    slow = _steps(ModelWorker(_model(intermediate).to(dtype), "target"))
     assert len(fast) == len(slow) == 3 * 4 + 2 * 3
     for a, b in zip(fast, slow):
         assert torch.equal(a, b)

@@ -113,3 +113,67 @@ void silu_mul(const void *gu, long gs, void *out, long os, long T, long I, int b
         }
     }
 }
+
+/* The kernels a layer's products and attention call, reached through addresses Python hands over (`direct.py`):
+ * bf16_amx.c / bf16_dot.c / bf16_linear.c share one signature; paged_attention.c's AVX2 item takes a last
+ * dtype flag that its AVX512-BF16 item has not. */
+typedef void (*product_fn)(const void *x, long M, long K, long xs, const void *wb, long N, const float *b, void *y,
+                           long ys, int threads);
+typedef void (*attend_fn)(const void *q, long qs_t, long qs_h, const void *kp, const void *vp, const int64_t *rows,
+                          long B, const int64_t *tables, long tab_stride, long bs, long H, long KV, long D, float scale,
+                          void *out, int threads);
+typedef void (*attend_flag_fn)(const void *q, long qs_t, long qs_h, const void *kp, const void *vp,
+                               const int64_t *rows, long B, const int64_t *tables, long tab_stride, long bs, long H,
+                               long KV, long D, float scale, void *out, int threads, int bf16);
+
+enum { QKV_FN, QKV_W, QKV_B, O_FN, O_W, O_B, GU_FN, GU_W, GU_B, DOWN_FN, DOWN_W, DOWN_B, NORM1, NORM2, K_POOL,
+       V_POOL, LAYER_FIELDS };
+enum { EPS1, EPS2, SCALE, LAYER_FLOATS };
+enum { G_SPANS, G_ROWS, G_TABLES, G_STRIDE, G_BS, GROUP_FIELDS };
+
+static void product(int64_t fn, const void *x, long M, long K, int64_t w, long N, int64_t b, void *y, int threads) {
+    ((product_fn)(intptr_t)fn)(x, M, K, K, (const void *)(intptr_t)w, N, (const float *)(intptr_t)b, y, N, threads);
+}
+
+/* Layers [first, last) of a Llama decoder over T packed rows, as direct.py's Python loop calls its kernels one by
+ * one (the same calls, the same arguments: the same bits). lw: LAYER_FIELDS addresses a layer (its products'
+ * functions, packed weights and padded biases, its norms' weights, its key and value pools); lf: LAYER_FLOATS a
+ * layer. h [T, hidden] is the residual stream (updated in place), x its normed copy (entering layer `first`: the
+ * caller's, unless `norm_first`); qkv [T, (H + 2 KV) D], att [T, H D], out [T, hidden], gu [T, 2I], act [T, I]:
+ * scratch. The attention: G groups of rows (GROUP_FIELDS each: spans, rows, block tables, their stride, block
+ * size) by `attend` (flag < 0: the item without a dtype flag). The last layer leaves its MLP's output in out. */
+void decoder_layers(long first, long last, long L, const int64_t *lw, const float *lf, void *h, void *x, void *qkv,
+                    void *att, void *out, void *gu, void *act, long T, long hidden, long H, long KV, long D, long I,
+                    int bf16, int threads, const void *cos, const void *sin, long cs, const int64_t *slots, long G,
+                    const int64_t *groups, int64_t attend, int flag, int norm_first) {
+    const long width = (H + 2 * KV) * D;
+    for (long i = first; i < last; i++) {
+        const int64_t *a = lw + i * LAYER_FIELDS;
+        const float *f = lf + i * LAYER_FLOATS;
+        void *kp = (void *)(intptr_t)a[K_POOL], *vp = (void *)(intptr_t)a[V_POOL];
+        if (i == first && norm_first)
+            add_rms_norm(h, hidden, NULL, 0, NULL, hidden, (const void *)(intptr_t)a[NORM1], f[EPS1], x, hidden, T,
+                         hidden, bf16, threads);
+        product(a[QKV_FN], x, T, hidden, a[QKV_W], width, a[QKV_B], qkv, threads);
+        rotary(qkv, width, D, T, H + KV, D, cos, sin, cs, bf16, threads, kp, vp, slots, H, KV);
+        for (long g = 0; g < G; g++) {
+            const int64_t *e = groups + g * GROUP_FIELDS;
+            const int64_t *spans = (const int64_t *)(intptr_t)e[G_SPANS], *tables = (const int64_t *)(intptr_t)e[G_TABLES];
+            if (flag < 0)
+                ((attend_fn)(intptr_t)attend)(qkv, width, D, kp, vp, spans, e[G_ROWS], tables, e[G_STRIDE], e[G_BS], H,
+                                             KV, D, f[SCALE], att, threads);
+            else
+                ((attend_flag_fn)(intptr_t)attend)(qkv, width, D, kp, vp, spans, e[G_ROWS], tables, e[G_STRIDE],
+                                                  e[G_BS], H, KV, D, f[SCALE], att, threads, flag);
+        }
+        product(a[O_FN], att, T, H * D, a[O_W], hidden, a[O_B], out, threads);
+        add_rms_norm(h, hidden, out, hidden, h, hidden, (const void *)(intptr_t)a[NORM2], f[EPS2], x, hidden, T, hidden,
+                     bf16, threads);
+        product(a[GU_FN], x, T, hidden, a[GU_W], 2 * I, a[GU_B], gu, threads);
+        silu_mul(gu, 2 * I, act, I, T, I, bf16, threads);
+        product(a[DOWN_FN], act, T, I, a[DOWN_W], hidden, a[DOWN_B], out, threads);
+        if (i + 1 < L)
+            add_rms_norm(h, hidden, out, hidden, h, hidden, (const void *)(intptr_t)a[LAYER_FIELDS + NORM1],
+                         lf[(i + 1) * LAYER_FLOATS + EPS1], x, hidden, T, hidden, bf16, threads);
+    }
+}

@@ -29,7 +29,9 @@ def _library() -> ctypes.CDLL | None:
                          c_int, c_int],
         "rotary": [ptr, c_long, c_long, c_long, c_long, c_long, ptr, ptr, c_long, c_int, c_int, ptr, ptr, ptr, c_long,
                    c_long],
-        "silu_mul": [ptr, c_long, ptr, c_long, c_long, c_long, c_int, c_int]})
+        "silu_mul": [ptr, c_long, ptr, c_long, c_long, c_long, c_int, c_int],
+        "decoder_layers": [c_long, c_long, c_long, ptr, ptr] + [ptr] * 7 + [c_long] * 6 + [c_int, c_int, ptr, ptr, c_long,
+                                                                                    ptr, c_long, ptr, ptr, c_int, c_int]})
 
 
 def fits(h: torch.Tensor) -> bool:
