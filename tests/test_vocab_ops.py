@@ -243,3 +243,17 @@ def test_argmax_is_torchs_max_indices(dtype, vocab):
     assert torch.equal(got, x.max(dim=-1).indices)
     for r in (0, 2, 39):
         assert torch.equal(vocab_ops.argmax(x[r:r + 1]), got[r:r + 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1003, 70000])
+def test_scaled_rows_are_torchs_division_bit_for_bit(dtype, vocab):
+    """`vocab_ops.scaled`, warping's first pass: torch's x / t[:, None] (float32 by promotion), or x.float() without t."""
+    x = _logits(5, vocab, dtype, seed=3)
+    x[1, 17] = float("-inf")
+    x[2, 5] = float("nan")
+    t = torch.tensor([0.7, 1.0, 1.3, 0.05, 2.0])
+    same = lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)  # noqa: E731
+    same(vocab_ops.scaled(x, t), x / t[:, None])
+    same(vocab_ops.scaled(x, None), x.float())
+    same(vocab_ops.scaled(x[:, :vocab - 3], t), x[:, :vocab - 3] / t[:, None])  # rows with a stride

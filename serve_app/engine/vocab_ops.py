@@ -34,7 +34,8 @@ def _library() -> ctypes.CDLL | None:
         "cut_below": [ptr, c_long, c_long, c_long, ptr, c_int],
         "gumbel_argmax": [ptr, c_long, c_long, c_long, ptr, ptr, c_int, c_int],
         "top_p_floor": [ptr, c_long, c_long, c_long, ptr, ptr, ptr, c_long, c_int],
-        "row_argmax": [ptr, c_long, c_long, c_long, ptr, c_int, c_int]})
+        "row_argmax": [ptr, c_long, c_long, c_long, ptr, c_int, c_int],
+        "scale_rows": [ptr, c_long, c_long, c_long, ptr, ptr, c_long, c_int, c_int]})
 
 
 def fits(x: torch.Tensor) -> bool:
@@ -50,6 +51,16 @@ def argmax(x: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] long
     out = torch.empty(rows, dtype=torch.long)
     _library().row_argmax(x.data_ptr(), x.stride(0), rows, vocab, out.data_ptr(), int(x.dtype == torch.bfloat16),
                           torch.get_num_threads())
+    return out
+
+
+def scaled(x: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:  # [R, V], t [R] -> [R, V] float32, new
+    """x / t[:, None] in float32 (t None: x.float()): torch's bits (a widening, then IEEE's division), one pass."""
+    rows, vocab = x.shape
+    t = None if t is None else t.to(torch.float32).contiguous()
+    out = torch.empty(rows, vocab, dtype=torch.float32)
+    _library().scale_rows(x.data_ptr(), x.stride(0), rows, vocab, None if t is None else t.data_ptr(), out.data_ptr(),
+                          vocab, int(x.dtype == torch.bfloat16), torch.get_num_threads())
     return out
 
 

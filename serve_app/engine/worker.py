@@ -38,7 +38,8 @@ from serve_app.engine.kv import (ATTENTION, PagedKV, attention_layers, cuda_memo
                                 pack)
 from serve_app.engine.history import PROMPT_TAIL, LiveOutputs, SuffixHistory, history_estimate
 from serve_app.engine.lookup import LOOKUP_MIN_N, CopyRecord, NgramIndex
-from serve_app.engine.sampling import TOP_N, Warp, draft_choice, logprob_top, noise_key, verify_walk
+from serve_app.engine.sampling import (TOP_N, Warp, argmax, draft_choice, logprob_top, logsumexp, noise_key,
+                                      verify_walk)
 
 
 @dataclass
@@ -665,9 +666,12 @@ class ModelWorker:
         dev = self.device
         if all(s.params.greedy for s in seqs):  # known on the host: no read of `greedy` back
             def draw_greedy(logits, positions, small=None, rows=None):
-                top = logits.max(dim=-1)
-                c = (confidence(small) if small is not None else confidence(logits, top.values)) if conf else None
-                return top.indices.cpu(), None, None, c
+                tokens = argmax(logits)  # one C pass on a CPU (torch's max over a 128k row block took ~4x as long)
+                c = None
+                if conf:
+                    c = confidence(small) if small is not None else \
+                        confidence(logits, logits.gather(1, tokens[:, None])[:, 0])
+                return tokens.cpu(), None, None, c
 
             return draw_greedy
         w = Warp.of([s.params for s in seqs], dev)
@@ -796,7 +800,8 @@ def confidence(logits: torch.Tensor, top: torch.Tensor | None = None) -> list[fl
     drafting on it without biasing rejection sampling (`draftplan`)."""
     if top is None:
         top = logits.amax(dim=-1)
-    return (top.float() - torch.logsumexp(logits.float(), dim=-1)).exp().tolist()
+    total = logsumexp(logits if logits.device.type == "cpu" else logits.float())  # C on a CPU, from either dtype
+    return (top.float() - total).exp().tolist()
 
 
 def backlog_window(fed: list[list[int]], k: int | DraftPlan) -> int:
