@@ -398,7 +398,9 @@ def draft_choice(
     if w.min_p is not None:  # the top-n hold the row's maximum, so min-p cuts them as it would the row
         _min_p_(vals, w.min_p[plain])
     top_k = None if w.host is None else [w.host[2][i] for i in plain_rows]
-    q = _truncate(vals, w.top_k[plain], w.top_p[plain], top_k).softmax(dim=-1)  # [R, n]
+    if w.host is None or any(w.host[1][i] for i in plain_rows):  # else no row cuts (top_p 1, top_k 0): as warp_
+        vals = _truncate(vals, w.top_k[plain], w.top_p[plain], top_k)
+    q = vals.softmax(dim=-1)  # [R, n]
     tokens[plain] = ids.gather(1, sample(q, u[plain])[:, None]).squeeze(1)
     values[plain], support[plain] = q, ids.int()
     return tokens, values, support
