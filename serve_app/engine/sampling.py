@@ -249,10 +249,11 @@ def warp_(logits: torch.Tensor, w: Warp) -> torch.Tensor:  # [N, V] -> [N, V] fl
     else:
         scaled = bool((w.temperature != 1.0).any())
         cut_rows = ((w.top_k > 0) | (w.top_p < 1.0)).nonzero().squeeze(1).tolist()
-    if logits.dtype != torch.float32 and vocab_ops.fits(logits):
-        logits = vocab_ops.scaled(logits, w.temperature if scaled else None)  # torch's bits in one pass
-    elif logits.dtype != torch.float32:
-        logits = logits / w.temperature[:, None] if scaled else logits.float()  # float32 by type promotion
+    if logits.dtype != torch.float32:
+        if vocab_ops.fits(logits):
+            logits = vocab_ops.scaled(logits, w.temperature if scaled else None)  # torch's bits in one pass
+        else:
+            logits = logits / w.temperature[:, None] if scaled else logits.float()  # float32 by type promotion
     elif scaled:
         logits /= w.temperature[:, None]
     if w.min_p is not None:
