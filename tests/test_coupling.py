@@ -2,6 +2,7 @@
 text whatever k, draft or batch."""
 
 import asyncio
+import copy
 import math
 
 import pytest
@@ -163,3 +164,26 @@ def test_seeded_text_holds_when_k_changes_every_step(tiny_target, tiny_drafts):
     engine = make_engine(tiny_target, tiny_drafts["near"], "none", max_batch_size=4)
     engine.policy = Cycle()
     assert run(engine, PROMPTS[:2], [21, 22]) == alone
+
+
+def test_seeded_text_through_the_cpu_kernels_is_the_same_whatever_k_and_draft(tiny_target, tiny_drafts, monkeypatch):
+    """float32 models take the C kernels (the draft's coupled choice by `vocab_ops.choose`, the target's by
+    `vocab_ops.verify`; float64 models, above, take torch's ops): the text is still the same at any k and draft."""
+    from serve_app.engine import vocab_ops
+
+    target = copy.deepcopy(tiny_target).float()
+    drafts = {"near": copy.deepcopy(tiny_drafts["near"]).float(), "same": target}
+    calls = {"choose": 0, "verify": 0}
+    for name in calls:
+        kernel = getattr(vocab_ops, name)
+        monkeypatch.setattr(vocab_ops, name, lambda *a, _k=kernel, _n=name: (calls.__setitem__(_n, calls[_n] + 1), _k(*a))[1])
+    seeds = [7, 8]
+    alone = [run(make_engine(target, None, "none"), [p], [s], top_p=0.8)[0] for p, s in zip(PROMPTS[:2], seeds)]
+    for draft, policy in [("near", "fixed:2"), ("near", "fixed:5"), ("same", "fixed:4")]:
+        engine = make_engine(target, drafts[draft], policy, max_batch_size=2)
+        assert run(engine, PROMPTS[:2] + PROMPTS[3:4], seeds + [1], top_p=0.8)[:2] == alone, (draft, policy)
+    assert calls["choose"] and calls["verify"], calls
+    engine = make_engine(target, target, "fixed:4")  # the draft's choice in C is the target's: all accepted
+    req = engine.submit(PROMPTS[0], SamplingParams(max_tokens=20, temperature=1.0, top_p=0.8, seed=5))
+    engine.run([req])
+    assert req.stats.proposed > 0 and req.stats.accepted == req.stats.proposed

@@ -14,6 +14,8 @@ seeds per test: a failure reproduces.
 """
 
 
+import copy
+
 import pytest
 import torch
 
@@ -22,7 +24,7 @@ from serve_app.config import EngineConfig, SamplingParams
 from serve_app.drafting import draft_worker
 from serve_app.drafting.eagle3 import Eagle3Draft
 from serve_app.drafting.ngram import NgramDraft
-from serve_app.engine import sampling
+from serve_app.engine import sampling, vocab_ops
 from serve_app.engine.policy import FixedK
 from serve_app.engine.scheduler import Engine
 from serve_app.engine.worker import ModelWorker
@@ -156,11 +158,47 @@ def test_unseeded_sampling_is_exact_and_a_planted_bias_is_caught(target, case, m
     assert acceptance >= 0.2, f"{case}: only {acceptance:.0%} of first drafts accepted: acceptance barely exercised"
     p = g_test(counts, exact)
     assert p > ALPHA, f"{case}: the joint of tokens 1-2 differs from the target's (G-test p = {p:.2e})"
-    # power: the planted bias is caught by the same test on the same number of trials
+    # power: the planted bias is caught by the same test on twice the trials (on as many, p lands within a few
+    # powers of ten of ALPHA: a random stream can miss it)
     monkeypatch.setattr(sampling, "accept_rejection", biased)
-    bad, _ = sample_joint(target, draft, params, pick(), lookup)
+    bad, _ = sample_joint(target, draft, params, pick(), lookup, trials=2 * TRIALS)
     assert g_test(bad, exact) < ALPHA, f"{case}: a 10% acceptance bias went unnoticed"
     monkeypatch.undo()
     if isinstance(draft, torch.nn.Module) and not isinstance(draft, Eagle3Draft):
         alone, _ = sample_joint(draft, None, params, 0, trials=TRIALS // 4)  # the draft's own text
         assert g_test(alone, exact) < ALPHA, f"{case}: the draft alone passes for the target: no power"
+
+
+@pytest.mark.parametrize("case", ["eagle3-top-p", "layers-top-k", "per-row-lookup"])
+def test_unseeded_sampling_through_the_cpu_kernels_is_exact(target, case, monkeypatch):
+    """A float32 target and draft take the C kernels (`vocab_ops.draft_sample` for the draft's q and draw,
+    `vocab_ops.verify` for the target's test and recovered token; a float64 model takes torch's ops): the same
+    joint as the exact one, and an acceptance bias planted in the kernel's test (its uniforms scaled) caught: 25%,
+    where the torch path's test above plants 10% (the same choices bit for bit, so the same power; at 10% some of
+    these cases' drafts sit too close to the target for the trials to tell)."""
+    target32 = copy.deepcopy(target).float()
+    make, params, policy, lookup = CASES[case]
+    draft = make(target32)
+    exact = exact_joint(target, PROMPT, params)
+    pick = (lambda: Plans()) if policy == "plans" else (lambda: policy)
+    calls = {"verify": 0, "draft_sample": 0}
+    kernels = {name: getattr(vocab_ops, name) for name in calls}
+
+    def spy(name, bias=1.0):
+        def call(*args):
+            calls[name] += 1
+            if bias != 1.0:  # u * q < bias * p, as u / bias * q < p
+                args = args[:10] + (args[10] / bias,) + args[11:]
+            return kernels[name](*args)
+        return call
+
+    monkeypatch.setattr(vocab_ops, "verify", spy("verify"))
+    monkeypatch.setattr(vocab_ops, "draft_sample", spy("draft_sample"))
+    counts, acceptance = sample_joint(target32, draft, params, pick(), lookup)
+    assert calls["verify"] and calls["draft_sample"], f"{case}: the kernels were not reached: {calls}"
+    assert acceptance >= 0.2, f"{case}: only {acceptance:.0%} of first drafts accepted"
+    p = g_test(counts, exact)
+    assert p > ALPHA, f"{case}: the joint of tokens 1-2 differs from the target's (G-test p = {p:.2e})"
+    monkeypatch.setattr(vocab_ops, "verify", spy("verify", bias=1.25))
+    bad, _ = sample_joint(target32, draft, params, pick(), lookup)
+    assert g_test(bad, exact) < ALPHA, f"{case}: a 25% acceptance bias in the kernel went unnoticed"

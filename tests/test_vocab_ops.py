@@ -257,3 +257,131 @@ def test_scaled_rows_are_torchs_division_bit_for_bit(dtype, vocab):
     same(vocab_ops.scaled(x, t), x / t[:, None])
     same(vocab_ops.scaled(x, None), x.float())
     same(vocab_ops.scaled(x[:, :vocab - 3], t), x[:, :vocab - 3] / t[:, None])  # rows with a stride
+
+
+def _settings(rows: int, seed: int) -> Warp:
+    """A mix of temperatures, top-p and top-k over rows."""
+    g = torch.Generator().manual_seed(seed)
+    pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=g))]  # noqa: E731
+    params = [type("P", (), {"temperature": pick([0.7, 1.0, 1.3]), "top_k": pick([0, 0, 20]),
+                             "top_p": pick([0.9, 0.95, 1.0]), "min_p": 0.0})() for _ in range(rows)]
+    return Warp.of(params, "cpu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1000, 128256])
+def test_verify_decides_as_torchs_ops(dtype, vocab):
+    """`vocab_ops.verify`, the target's sampled decision in one call: the same accepted drafts and the same tokens
+    (coupled choices, bonus tokens, recovered tokens from the residual) as verify_walk's ops one by one."""
+    b, n = 40, 64
+    g = torch.Generator().manual_seed(vocab)
+    x = (torch.randn(b, vocab, generator=g) * 8).to(dtype)
+    w = _settings(b, vocab)
+    rows = torch.arange(1, b)  # row 0 left out: rows index into x
+    seeded = [r % 4 == 0 for r in range(b)]
+    drafted = [0 if r % 4 == 1 else 1 for r in range(b)]  # r % 4 == 1: past its last draft, the bonus token
+    test = [not seeded[r] and drafted[r] > 0 for r in rows.tolist()]
+    # a draft q near the target's (its top 64 of a noisy copy); drafts from q's top 4, so some are accepted
+    near = x.float() + torch.randn(b, vocab, generator=g)
+    q_vals, q_ids = near.topk(n, dim=-1)
+    q = q_vals.softmax(dim=-1)[:, None]  # [B, 1, N]: k = 1
+    drafts = q_ids[torch.arange(b), torch.randint(4, (b,), generator=g)][:, None]  # [B, 1]
+    keys = torch.randint(0, 2**31 - 1, (b, 2), generator=g, dtype=torch.int32)
+    # uniforms 2% either side of each tested row's p(d) / q(d) where that is below 1: a test off by a few percent
+    # decides some of them the other way
+    p_d = sampling.warp_(x.clone(), w).log_softmax(dim=-1).gather(1, drafts).exp()[:, 0]
+    ratio = p_d / (q[:, 0] * (q_ids == drafts)).sum(dim=1)
+    side = torch.where(torch.arange(b) % 2 == 0, 0.98, 1.02)
+    u = torch.where(ratio < 0.95, ratio * side, torch.rand(b, generator=g))[:, None]
+    ws = w.rows(rows, rows.tolist())
+    tok, ok = sampling._verify_rows(x, rows, rows, 0, ws, test, drafts, keys, q, q_ids[:, None].int(), u)
+    want_tok, want_ok = torch.full((b,), -1), torch.zeros(b, dtype=torch.bool)
+    sampling._sampled_rows(x, rows, rows, 0, ws, [seeded[r] for r in rows.tolist()], [drafted[r] for r in rows.tolist()],
+                           drafts, keys, q, q_ids[:, None].int(), u, want_tok, want_ok)
+    done = tok >= 0  # -1: a nucleus wider than the kernel's candidates, left to torch's ops (verify_walk)
+    assert done.sum() >= len(rows) * 3 // 4
+    want_tok, want_ok = want_tok[rows][done], want_ok[rows][done]
+    tok, ok, tested = tok[done], ok[done], torch.tensor(test)[done]
+    assert ok.equal(want_ok)
+    assert 0 < int(ok.sum()) < int(tested.sum())  # both outcomes of the test reached
+    assert tok[~ok].equal(want_tok[~ok]) and tok[ok].equal(drafts[rows, 0][done][ok])
+
+
+def test_draft_sample_draws_what_torchs_ops_draw(torch_ops):
+    """`vocab_ops.draft_sample`, the draft's q and draw in one call: q over the same tokens with torch's softmax's
+    values to float32 rounding, the same tokens drawn by the same uniforms."""
+    b, vocab = 32, 128256
+    x = _logits(b, vocab, torch.float32, scale=4.0, seed=8)
+    w = _settings(b, 8)
+    greedy = torch.tensor([r % 8 == 0 for r in range(b)])
+    keys = torch.tensor([noise_key(3, r) if r % 8 == 1 else -1 for r in range(b)], dtype=torch.int32)
+    u = torch.rand(b, generator=torch.Generator().manual_seed(8))
+    want = sampling.draft_choice(x.clone(), greedy, keys, w, u)
+    vocab_ops.ON = True
+    got = sampling.draft_choice(x.clone(), greedy, keys, w, u)
+    assert got[0].equal(want[0])
+    assert got[2].equal(want[2])
+    torch.testing.assert_close(got[1], want[1], rtol=2e-6, atol=1e-7)
+
+
+def test_sixteen_lanes_give_the_eight_lanes_bits():
+    """Where the CPU has AVX-512 the kernels read 16 lanes at a time: the same sums, candidates, cuts and choices."""
+    x = _logits(12, 128256, torch.float32, scale=4.0, seed=9)
+    x[1, 5000:] = float("-inf")  # most of a row cut: groups of lanes skipped
+    xb = x.to(torch.bfloat16)
+    k, p = torch.tensor([0, 0, 20] * 4), torch.tensor([0.9, 1.0, 0.95] * 4)
+
+    keys = torch.tensor([noise_key(5, r) for r in range(12)], dtype=torch.int32)
+
+    def everything():
+        return (vocab_ops.logsumexp(x), vocab_ops.logsumexp(xb), *vocab_ops.top_values(x, 64),
+                *vocab_ops.top_values(xb, 512), vocab_ops.top_p_floor(x, k, p), vocab_ops.argmax(xb),
+                vocab_ops.gumbel_argmax(x * 0.05, keys), vocab_ops.gumbel_argmax(xb, keys))  # flat rows: many blocks
+
+    before = vocab_ops.wide_lanes(False)
+    try:
+        narrow = everything()
+        vocab_ops.wide_lanes(True)
+        wide = everything()
+    finally:
+        vocab_ops.wide_lanes(before)
+    for a, b in zip(narrow, wide):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_warp_in_one_call_is_the_passes_one_by_one(dtype):
+    """`vocab_ops.warp` (scale, floor, cut a row while in cache) gives the bits of `scaled`, `top_p_floor` and
+    `cut_below_` one after another, the floors too (NaN for a nucleus too wide, the row then left uncut)."""
+    x = _logits(12, 49152, dtype, scale=4.0, seed=10)
+    x[2] = x[2] * 0.001  # flat: its nucleus outgrows the kernel's candidates
+    w = _settings(12, 10)
+    cut = w.host[1]
+    out = torch.empty(x.shape, dtype=torch.float32)
+    floor = vocab_ops.warp(x, w.temperature, w.cut_flags(), w.top_k, w.top_p, out)
+    want = vocab_ops.scaled(x, w.temperature)
+    want_floor = torch.where(torch.tensor(cut), vocab_ops.top_p_floor(want, w.top_k, w.top_p), float("-inf"))
+    torch.testing.assert_close(floor, want_floor, rtol=0, atol=0, equal_nan=True)
+    vocab_ops.cut_below_(want, want_floor.nan_to_num(nan=float("-inf")))
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_scaled_by_a_reciprocal_is_ieees_division_for_every_bfloat16_value():
+    """`scaled` divides by a reciprocal and one correction (both lane widths): every bfloat16 value (zeros, -0,
+    denormals, infinities, NaN among them) over temperatures from a hundredth to past the safe range's ends, and
+    float32 rows across 2^-126 .. 2^127, come out as torch's division's bits."""
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)  # [65536]: each bit pattern
+    g = torch.Generator().manual_seed(11)
+    t = torch.cat([torch.tensor([0.01, 0.07, 0.7, 0.99999994, 1.0, 1.3, 2.0, 2**-27, 2**-28, 255.9, 256.0, 1e5]),
+                   torch.rand(20, generator=g) * 3 + 0.05])
+    rows = every[None].expand(len(t), -1).contiguous()
+    wide = (torch.rand(len(t), 70000, generator=g) - 0.5) * torch.exp2(torch.randint(-126, 127, (len(t), 70000), generator=g).float())
+    same = lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)  # noqa: E731
+    before = vocab_ops.wide_lanes(True)
+    try:
+        for lanes in (True, False):
+            vocab_ops.wide_lanes(lanes)
+            same(vocab_ops.scaled(rows, t), rows / t[:, None])
+            same(vocab_ops.scaled(wide, t), wide / t[:, None])
+    finally:
+        vocab_ops.wide_lanes(before)

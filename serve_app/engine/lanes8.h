@@ -58,6 +58,10 @@ static inline void store(void *p, long i, float f, int bf16) {  /* f already rou
     ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
 }
 
+/* Cephes' expf polynomial in x - n ln 2, highest degree first (the 16-lane exp of `vocab_ops.c` shares it) */
+static const float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                                  1.6666665459e-1f, 5.0000001201e-1f};
+
 /* exp of 8 lanes to about a float32 ulp (Cephes' expf: 2^n times a degree-6 polynomial); inf past 88.72 as expf */
 static inline __m256 exp8(__m256 x) {
     __m256 over = _mm256_cmp_ps(x, _mm256_set1_ps(88.72283935546875f), _CMP_GT_OQ);
@@ -65,12 +69,8 @@ static inline __m256 exp8(__m256 x) {
     __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
     x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
     x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 y = _mm256_set1_ps(EXP_POLY[0]);
+    for (int i = 1; i < 6; i++) y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_POLY[i]));
     y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));

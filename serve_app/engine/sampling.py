@@ -22,7 +22,7 @@ distribution over its own top-N tokens (`TOP_N` ids and values per drafted posit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -211,6 +211,7 @@ class Warp:
     min_p: torch.Tensor | None = None  # [N] float32, 0 = off; None: off for every row
     host: tuple[list[bool], list[bool], list[int]] | None = None  # per row (scaled, cut, top_k) on the host,
     #                                   so warping decides which rows to touch, and how wide, without reading the device
+    _cut: torch.Tensor | None = field(default=None, repr=False)  # `cut_flags`, once made
 
     @classmethod
     def of(cls, params: list, device) -> "Warp":
@@ -222,6 +223,13 @@ class Warp:
                    torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
                    torch.tensor(min_p, dtype=torch.float32, device=device) if any(min_p) else None,
                    ([t != 1.0 for t in temps], [p.top_k > 0 or p.top_p < 1.0 for p in params], [p.top_k for p in params]))
+
+    def cut_flags(self) -> torch.Tensor:  # [N] int32
+        """Which rows top-k / top-p cut (1) or leave whole (0), for the C kernels; made once per Warp."""
+        if self._cut is None:
+            self._cut = (torch.tensor(self.host[1], dtype=torch.int32) if self.host is not None
+                         else ((self.top_k > 0) | (self.top_p < 1.0)).int())
+        return self._cut
 
     def warps(self) -> bool:
         """warp_ would change some row (not known on the host: assume so)."""
@@ -241,14 +249,24 @@ def warp_(logits: torch.Tensor, w: Warp) -> torch.Tensor:  # [N, V] -> [N, V] fl
     one is changed in place and returned; another dtype gives a new float32 tensor (the temperature divides as
     it widens: one pass, where a cast then a division would be two; the same bits). Dropped tokens get -inf, so
     softmax of the result is the distribution a request samples from. A token tied with the last kept one is
-    kept too (the cut is a threshold on the logit)."""
+    kept too (the cut is a threshold on the logit). On a CPU without min-p one C call per row (`vocab_ops.warp`:
+    the row scaled, searched and cut while in cache; the same bits as the passes one by one)."""
     top_k = None  # the cut rows' top_k on the host, where known
     if w.host is not None:  # decided on the host
-        scaled, cut_rows = any(w.host[0]), [i for i, c in enumerate(w.host[1]) if c]
-        top_k = [w.host[2][i] for i in cut_rows]
+        scaled, cut = any(w.host[0]), w.host[1]
+        top_k = [w.host[2][i] for i, c in enumerate(cut) if c]
     else:
         scaled = bool((w.temperature != 1.0).any())
-        cut_rows = ((w.top_k > 0) | (w.top_p < 1.0)).nonzero().squeeze(1).tolist()
+        cut = ((w.top_k > 0) | (w.top_p < 1.0)).tolist()
+    cut_rows = [i for i, c in enumerate(cut) if c]
+    if w.min_p is None and vocab_ops.fits(logits):
+        out = logits if logits.dtype == torch.float32 else torch.empty(logits.shape, dtype=torch.float32)
+        floor = vocab_ops.warp(logits, w.temperature if scaled else None, w.cut_flags(), w.top_k, w.top_p, out)
+        wide = torch.isnan(floor).nonzero().squeeze(1)
+        if len(wide):  # a nucleus wider than the kernel's candidates: torch's loop, then its cut
+            rows = out.index_select(0, wide)
+            out[wide] = _cut_below_(rows, _floor(rows, w.top_k[wide], w.top_p[wide]))
+        return out
     if logits.dtype != torch.float32:
         if vocab_ops.fits(logits):
             logits = vocab_ops.scaled(logits, w.temperature if scaled else None)  # torch's bits in one pass
@@ -363,14 +381,15 @@ def draft_choice(
     w: Warp,
     u: torch.Tensor,  # [B] uniforms for sampled rows
     top_n: int = TOP_N,
+    kind: tuple[list[bool], list[bool]] | None = None,  # (greedy, keys >= 0) per row where the caller knows them
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """tokens [B], and for the unseeded sampled rows' exact verification q's values [B, N] and ids
     [B, N] (zero rows for greedy and seeded rows, which the target verifies by its own choice, not by
     q; None when every row is greedy). A seeded row makes the coupled choice over its whole warped
     row, as the target does, so a draft equal to the target is always accepted."""
     dev = logits.device
-    # the rows' kinds read to the host in one transfer, then partitioned there (one sync, not five)
-    kind = torch.stack([greedy.long(), (keys >= 0).long()]).tolist()
+    if kind is None:  # the rows' kinds read to the host in one transfer, then partitioned there (one sync, not five)
+        kind = torch.stack([greedy.long(), (keys >= 0).long()]).tolist()
     g = [i for i, x in enumerate(kind[0]) if x]
     if len(g) == len(kind[0]):
         return argmax(logits), None, None
@@ -383,12 +402,29 @@ def draft_choice(
     if seeded:  # the coupled choice over the draft's whole warped row, as the target makes it
         rows = _index(seeded, dev)
         ws = w.rows(rows, seeded)
-        x = warp_(_own_float(logits, rows), ws) if ws.warps() else _pick(logits, rows)  # unwarped: no copy
+        if ws.min_p is None and vocab_ops.fits(logits):  # on a CPU one C call, the warped rows never written out
+            scaled = ws.host is None or any(ws.host[0])
+            tokens[rows] = chosen = vocab_ops.choose(logits, rows, ws.temperature if scaled else None, ws.cut_flags(),
+                                                     ws.top_k, ws.top_p, keys[rows])
+            seeded = [b for b, t in zip(seeded, chosen.tolist()) if t < 0]  # a nucleus too wide: torch's ops below
+            rows = _index(seeded, dev)
+            ws = w.rows(rows, seeded)
+    if seeded:
+        x = warp_(_warpable(logits, rows), ws) if ws.warps() else _pick(logits, rows)  # unwarped: no copy
         tokens[rows] = gumbel_argmax(x, keys[rows])
     plain_rows = [i for i, (x, y) in enumerate(zip(*kind)) if not x and not y]
     plain = _index(plain_rows, dev)
-    values = torch.zeros((logits.shape[0], n), dtype=torch.float32, device=logits.device)
-    support = torch.zeros((logits.shape[0], n), dtype=torch.int32, device=logits.device)
+    # zeros for greedy and seeded rows; where every row is plain and the kernel draws them all, it writes every entry
+    blank = torch.empty if len(plain_rows) == logits.shape[0] and w.min_p is None and vocab_ops.fits(logits) else torch.zeros
+    values = blank((logits.shape[0], n), dtype=torch.float32, device=logits.device)
+    support = blank((logits.shape[0], n), dtype=torch.int32, device=logits.device)
+    if len(plain) and w.min_p is None and vocab_ops.fits(logits):  # q and the draw in one C call a row
+        if vocab_ops.draft_sample(logits, plain, n, w.temperature, w.cut_flags(), w.top_k, w.top_p, u, tokens, values,
+                                  support):  # rows with no finite logit: torch's ops below
+            plain_rows = [b for b, t in zip(plain_rows, tokens.index_select(0, plain).tolist()) if t < 0]
+        else:
+            plain_rows = []
+        plain = _index(plain_rows, dev)
     if not len(plain):
         return tokens, values, support
     # q: the warped draft distribution over its top-n tokens, renormalized (top-k / top-p applied
@@ -470,29 +506,18 @@ def verify_walk(
                 token[gi] = argmax(x.index_select(0, gi))
             other = [i for i, b in enumerate(live) if not is_greedy[b]]  # positions in `live`
             rows = at(other)
-            x = warp_(_pick(x, rows), w.rows(active[rows], [live[i] for i in other]))  # [R, V] float32: x is fresh
-            rows_b = active[rows]
-            cr = [r for r, i in enumerate(other) if is_seeded[live[i]]]  # positions in `other`
-            if cr:  # the coupled choice: the emitted token depends only on p and the seed
-                cr_t = at(cr)
-                token[rows[cr_t]] = gumbel_argmax(_pick(x, cr_t), keys[rows_b[cr_t], j])
-            plain = [r for r, i in enumerate(other) if not is_seeded[live[i]]]
-            bonus = at([r for r in plain if drafted_to[live[other[r]]] <= j])
-            s = at([r for r in plain if drafted_to[live[other[r]]] > j])
-            if len(bonus):  # past the row's last draft: the bonus token, from p
-                token[rows[bonus]] = gumbel_argmax(_pick(x, bonus), keys[rows_b[bonus], j])
-            if len(s):  # rejection test against the draft's q, then the recovered token
-                xs, sb = _pick(x, s), rows_b[s]
-                lse = logsumexp(xs)
-                d = drafts[sb, j]
-                ids, vals = q_ids[sb, j].long(), q_values[sb, j]
-                q_x = (vals * (ids == d[:, None])).sum(dim=1)
-                ok = accept_rejection((xs.gather(1, d[:, None]).squeeze(1) - lse).exp(), q_x, accept_u[sb, j])
-                accepted[rows[s]] = ok
-                rej = (~ok).nonzero().squeeze(1)
-                if len(rej):
-                    r = residual_logits_(_pick(xs, rej), lse[rej], vals[rej], ids[rej])
-                    token[rows[s[rej]]] = gumbel_argmax(r, keys[sb[rej], j])
+            ws = w.rows(active[rows], [live[i] for i in other])
+            if ws.min_p is None and vocab_ops.fits(x):  # on a CPU one C call, the warped rows never written out
+                test = [not is_seeded[live[i]] and drafted_to[live[i]] > j for i in other]
+                tok, ok = _verify_rows(x, rows, active[rows], j, ws, test, drafts, keys, q_values, q_ids, accept_u)
+                token[rows], accepted[rows] = tok, ok
+                other = [i for i, t in zip(other, tok.tolist()) if t < 0]  # a nucleus too wide: torch's ops below
+                rows = at(other)
+                ws = w.rows(active[rows], [live[i] for i in other])
+            if other:
+                _sampled_rows(x, rows, active[rows], j, ws, [is_seeded[live[i]] for i in other],
+                              [drafted_to[live[i]] for i in other], drafts, keys, q_values, q_ids, accept_u,
+                              token, accepted)
         if j < k:  # greedy and seeded rows accept while their choice is the draft (and they drafted j)
             by_choice = at([i for i, b in enumerate(live) if (is_greedy[b] or is_seeded[b]) and drafted_to[b] > j])
             if len(by_choice):
@@ -509,15 +534,57 @@ def verify_walk(
     return num_acc, next_tok
 
 
+def _verify_rows(x, rows, rows_b, j, w, test, drafts, keys, q_values, q_ids, accept_u):
+    """`vocab_ops.verify` for rows `rows` of position j's logits x (rows_b: their batch rows; w: their settings;
+    test: which are rejection-tested): token [R], accepted [R]."""
+    scaled = w.host is None or any(w.host[0])
+    r, k = len(test), drafts.shape[1]
+    if any(test):
+        q_v, q_i, u = q_values[rows_b, j], q_ids[rows_b, j], accept_u[rows_b, j]
+    else:  # nothing tested (seeded rows, bonus tokens): no proposal to read, and past the last draft none exists
+        q_v, q_i, u = torch.zeros((r, 1)), torch.zeros((r, 1), dtype=torch.int32), torch.zeros(r)
+    return vocab_ops.verify(x, rows, w.temperature if scaled else None, w.cut_flags(), w.top_k, w.top_p, test,
+                            drafts[rows_b, min(j, k - 1)] if k else torch.zeros(r, dtype=torch.long), q_v, q_i, u,
+                            keys[rows_b, j])
+
+
+def _sampled_rows(x, rows, rows_b, j, w, seeded, drafted_to, drafts, keys, q_values, q_ids, accept_u, token, accepted):
+    """verify_walk's decision for the sampled rows `rows` of position j's logits x [A, V] with torch's ops (rows_b:
+    their batch rows; w: their settings; seeded, drafted_to: theirs on the host): into token and accepted."""
+    x = warp_(_pick(x, rows), w)  # [R, V] float32: x is fresh
+    cr = [r for r, sd in enumerate(seeded) if sd]
+    if cr:  # the coupled choice: the emitted token depends only on p and the seed
+        cr_t = _index(cr, x.device)
+        token[rows[cr_t]] = gumbel_argmax(_pick(x, cr_t), keys[rows_b[cr_t], j])
+    plain = [r for r, sd in enumerate(seeded) if not sd]
+    bonus = _index([r for r in plain if drafted_to[r] <= j], x.device)
+    s = _index([r for r in plain if drafted_to[r] > j], x.device)
+    if len(bonus):  # past the row's last draft: the bonus token, from p
+        token[rows[bonus]] = gumbel_argmax(_pick(x, bonus), keys[rows_b[bonus], j])
+    if len(s):  # rejection test against the draft's q, then the recovered token
+        xs, sb = _pick(x, s), rows_b[s]
+        lse = logsumexp(xs)
+        d = drafts[sb, j]
+        ids, vals = q_ids[sb, j].long(), q_values[sb, j]
+        q_x = (vals * (ids == d[:, None])).sum(dim=1)
+        ok = accept_rejection((xs.gather(1, d[:, None]).squeeze(1) - lse).exp(), q_x, accept_u[sb, j])
+        accepted[rows[s]] = ok
+        rej = (~ok).nonzero().squeeze(1)
+        if len(rej):
+            r = residual_logits_(_pick(xs, rej), lse[rej], vals[rej], ids[rej])
+            token[rows[s[rej]]] = gumbel_argmax(r, keys[sb[rej], j])
+
+
 def _pick(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:  # [N, V] -> [R, V]
     """Rows of x; x itself when that is every row (a copy of a vocabulary-sized block is a pass)."""
     return x if len(rows) == x.shape[0] else x.index_select(0, rows)
 
 
-def _own_float(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:  # [N, V] -> [R, V] float32, a new tensor
-    """Rows of x as float32 that the caller may change in place (one copy, never two)."""
+def _warpable(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:  # [N, V] -> [R, V]
+    """Rows of x that `warp_` may take, which changes a float32 tensor in place: those a copy (one, never two),
+    another dtype's as they are (warp_ widens them into a new tensor)."""
     out = _pick(x, rows)
-    return out.float() if out.dtype != torch.float32 else out.clone() if out is x else out
+    return out.clone() if out is x and x.dtype == torch.float32 else out
 
 
 def logprob_top(

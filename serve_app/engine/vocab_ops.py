@@ -1,6 +1,8 @@
 """The sampling path's vocabulary passes in one C call each on a CPU (`vocab_ops.c`): a row's argmax, its logsumexp, its strided
 block maxima (`sampling.BLOCK`), its largest values, a cut below a floor, top-k / top-p's floor, and the coupled
-sampler's Gumbel-max choice.
+sampler's Gumbel-max choice; and whole decisions a row at a time while it is in cache: `warp` (scale, floor, cut),
+`draft_sample` (the draft's q and draw), `verify` / `choose` (the target's test, recovered, bonus or coupled token,
+its warped rows never written out).
 
 `sampling` calls these where `fits` says they run (a CPU tensor of float32 or bfloat16 whose rows are contiguous,
 the kernel built, ON); elsewhere torch's ops. The block maxima are torch's exactly; the logsumexp is within a few
@@ -27,7 +29,7 @@ ON = True
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     c_long, ptr, c_int = ctypes.c_long, ctypes.c_void_p, ctypes.c_int
-    return ckernels.kernel(SOURCE, "SPECSERVE_VOCAB_OPS", {
+    lib = ckernels.kernel(SOURCE, "SPECSERVE_VOCAB_OPS", {
         "row_logsumexp": [ptr, c_long, c_long, c_long, ptr, c_int, c_int],
         "block_max": [ptr, c_long, c_long, c_long, c_long, ptr, c_long, c_int, c_int],
         "top_values": [ptr, c_long, c_long, c_long, c_long, ptr, ptr, c_int, c_int],
@@ -35,7 +37,17 @@ def _library() -> ctypes.CDLL | None:
         "gumbel_argmax": [ptr, c_long, c_long, c_long, ptr, ptr, c_int, c_int],
         "top_p_floor": [ptr, c_long, c_long, c_long, ptr, ptr, ptr, c_long, c_int],
         "row_argmax": [ptr, c_long, c_long, c_long, ptr, c_int, c_int],
-        "scale_rows": [ptr, c_long, c_long, c_long, ptr, ptr, c_long, c_int, c_int]})
+        "scale_rows": [ptr, c_long, c_long, c_long, ptr, ptr, c_long, c_int, c_int],
+        "warp_rows": [ptr, c_long, c_long, c_long, ptr, ptr, ptr, ptr, ptr, c_long, ptr, c_long, c_int, c_int],
+        "draft_sample": [ptr, c_long, c_long, ptr, c_long, c_long, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, c_int,
+                         c_int],
+        "verify_rows": [ptr, c_long, c_long, ptr, c_long, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, c_long, ptr, ptr,
+                        ptr, ptr, c_long, c_int, c_int],
+        "use_wide_lanes": [c_int]})
+    if lib is not None:
+        lib.use_wide_lanes.restype = c_int
+        lib.draft_sample.restype = c_long
+    return lib
 
 
 def fits(x: torch.Tensor) -> bool:
@@ -133,3 +145,83 @@ def top_p_floor(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> to
     _library().top_p_floor(x.data_ptr(), x.stride(0), rows, vocab, top_k.data_ptr(), top_p.data_ptr(), out.data_ptr(),
                            WIDEST, torch.get_num_threads())
     return out
+
+
+def warp(x: torch.Tensor, t: torch.Tensor | None, cut: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+         out: torch.Tensor) -> torch.Tensor:  # x [R, V]; t, cut, top_k, top_p [R] -> floor [R] float32
+    """out = x / t[:, None] in float32 (t None: widened alone), each row with cut[r] (int32 flags, `Warp.cut_flags`)
+    then cut below its top-k / top-p floor, one row at a time while it is in cache: `scaled`, `top_p_floor` and `cut_below_`'s bits. Returns each
+    row's floor (-inf for an uncut row; NaN where the nucleus outgrows WIDEST candidates: that row is scaled but not
+    cut, for torch's loop). out: float32 [R, V], contiguous rows, or x itself when x is float32."""
+    rows, vocab = x.shape
+    t = None if t is None else t.to(torch.float32).contiguous()
+    cut = cut.to(torch.int32).contiguous()
+    top_k, top_p = top_k.to(torch.long).contiguous(), top_p.to(torch.float32).contiguous()
+    floor = torch.empty(rows, dtype=torch.float32)
+    _library().warp_rows(x.data_ptr(), x.stride(0), rows, vocab, None if t is None else t.data_ptr(), cut.data_ptr(),
+                         top_k.data_ptr(), top_p.data_ptr(), out.data_ptr(), out.stride(0), floor.data_ptr(), WIDEST,
+                         int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    return floor
+
+
+def draft_sample(x: torch.Tensor, rows: torch.Tensor, n: int, t: torch.Tensor, cut: torch.Tensor, top_k: torch.Tensor,
+                 top_p: torch.Tensor, u: torch.Tensor, tokens: torch.Tensor, values: torch.Tensor,
+                 ids: torch.Tensor) -> int:  # x [B, V]; rows [R]; t, cut, top_k, top_p, u [B]; tokens [B]; values, ids [B, n]
+    """For each of `rows`: the draft's q over its n most likely tokens, divided by t, cut by top-k / top-p where cut
+    (`sampling._truncate` on those n; cut: int32 flags, `Warp.cut_flags`) and renormalized, into values (float32)
+    and ids (int32), and a token drawn from it by u (`speculative.sample`'s inverse CDF) into tokens; -1 there for a
+    row whose largest value is not finite (the caller's torch path takes it). Returns how many rows were left so.
+    n <= min(V, WIDEST)."""
+    b, vocab = x.shape
+    if not 0 < n <= min(vocab, WIDEST):
+        raise ValueError(f"draft_sample: width {n} outside 1..{min(vocab, WIDEST)}")
+    rows = rows.to(torch.long).contiguous()
+    t, u, cut = t.to(torch.float32).contiguous(), u.to(torch.float32).contiguous(), cut.to(torch.int32).contiguous()
+    top_k, top_p = top_k.to(torch.long).contiguous(), top_p.to(torch.float32).contiguous()
+    return _library().draft_sample(x.data_ptr(), x.stride(0), vocab, rows.data_ptr(), len(rows), n, t.data_ptr(),
+                                   cut.data_ptr(), top_k.data_ptr(), top_p.data_ptr(), u.data_ptr(), tokens.data_ptr(),
+                                   values.data_ptr(), ids.data_ptr(), int(x.dtype == torch.bfloat16),
+                                   torch.get_num_threads())
+
+
+def verify(x: torch.Tensor, rows: torch.Tensor, t: torch.Tensor | None, cut: torch.Tensor, top_k: torch.Tensor,
+           top_p: torch.Tensor, test: list[bool], d: torch.Tensor, q_values: torch.Tensor, q_ids: torch.Tensor,
+           u: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # x [A, V] raw logits; rows [R] into x; t, cut, top_k, top_p, d, u, keys [R]; q_values, q_ids [R, N]
+    # -> token [R] long, accepted [R] bool
+    """The target's sampled decision for rows of x in one C call, the warped rows never written out: each row
+    warped (t None: unscaled; cut: int32 flags, as `warp`), then where `test` the rejection test of draft token d
+    against q (accepted: the token is d) and on rejection the recovered token from the residual, elsewhere the
+    Gumbel-max choice of the warped row under its key. Token -1 for a row whose nucleus outgrows WIDEST candidates
+    (the caller's torch path takes it)."""
+    r, vocab = len(rows), x.shape[1]
+    i64, f32, i32 = torch.long, torch.float32, torch.int32
+    rows, d = rows.to(i64).contiguous(), d.to(i64).contiguous()
+    t = None if t is None else t.to(f32).contiguous()
+    q_values, q_ids = q_values.to(f32).contiguous(), q_ids.to(i32).contiguous()
+    u, keys, cut = u.to(f32).contiguous(), keys.to(i32).contiguous(), cut.to(i32).contiguous()
+    top_k, top_p = top_k.to(i64).contiguous(), top_p.to(f32).contiguous()
+    test_t = torch.tensor(test, dtype=i32)
+    token, accepted = torch.empty(r, dtype=i64), torch.empty(r, dtype=i32)
+    _library().verify_rows(x.data_ptr(), x.stride(0), vocab, rows.data_ptr(), r, None if t is None else t.data_ptr(),
+                           cut.data_ptr(), top_k.data_ptr(), top_p.data_ptr(), test_t.data_ptr(), d.data_ptr(),
+                           q_values.data_ptr(), q_ids.data_ptr(), q_values.shape[1], u.data_ptr(), keys.data_ptr(),
+                           token.data_ptr(), accepted.data_ptr(), WIDEST, int(x.dtype == torch.bfloat16),
+                           torch.get_num_threads())
+    return token, accepted.bool()
+
+
+def choose(x: torch.Tensor, rows: torch.Tensor, t: torch.Tensor | None, cut: torch.Tensor, top_k: torch.Tensor,
+           top_p: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:  # x [A, V]; rows, ... [R] -> [R] long
+    """The coupled sampler's choice over each of `rows` of x warped (`verify` with nothing tested): a seeded row's
+    token, the warped rows never written out. -1 for a row whose nucleus outgrows WIDEST candidates."""
+    r = len(rows)
+    nothing = torch.zeros(r, dtype=torch.long)
+    return verify(x, rows, t, cut, top_k, top_p, [False] * r, nothing, torch.zeros(r, 1), torch.zeros(r, 1, dtype=torch.int32),
+                  torch.zeros(r), keys)[0]
+
+
+def wide_lanes(on: bool) -> bool:
+    """Let the kernels use 16 lanes where the CPU has AVX-512 (on) or keep to 8 (tests hold the two to the same
+    bits); returns the setting before."""
+    return bool(_library().use_wide_lanes(int(on)))

@@ -110,7 +110,6 @@ class Verdict(NamedTuple):
 class Sequence:
     tokens: list[int]
     params: SamplingParams
-    generator: torch.Generator
     kv_len: int = 0
     proposal_kv: int = -1  # draft: kv_len right after its last proposal; -1 = none outstanding
     extra: dict = field(default_factory=dict)
@@ -154,6 +153,9 @@ class ModelWorker:
         self.feature_layers: list[int] = []  # target: residual-stream inputs of these layers are captured
         self._captured: dict[int, torch.Tensor] = {}  # layer id -> [B, T, H] of the current forward
         self.top_n = TOP_N
+        # unseeded sampled rows' randomness (draws, accept tests, recovered tokens): one stream for the worker, so a
+        # batch's numbers come from one call, not one per row; seeded rows draw from their seed's noise instead
+        self.rng = torch.Generator().manual_seed(random.getrandbits(63))
         self.timings = new_timings()
         self.head = plain_head(model)
         self.lean = lean.supports(model)
@@ -218,8 +220,7 @@ class ModelWorker:
         for sid, prompt, p in zip(seq_ids, prompts, params):
             if sid in self.seqs:
                 raise ValueError(f"sequence {sid!r} already exists")
-            gen = torch.Generator().manual_seed(_role_seed(p.seed, self.role))
-            self.seqs[sid] = Sequence(tokens=list(prompt), params=p, generator=gen)
+            self.seqs[sid] = Sequence(tokens=list(prompt), params=p)
             self.order.append(sid)
             self._start_controls(self.seqs[sid])
             self.seqs[sid].kv_len = self.cache.match_prefix(sid, list(prompt), p.cache_salt)
@@ -457,21 +458,18 @@ class ModelWorker:
         greedy = torch.tensor([s.params.greedy for s in seqs], device=dev)
         seeded = torch.tensor([_coupled(s) for s in seqs], device=dev)
         # Per row and position: a seeded row's noise key comes from (seed, position); an unseeded sampled
-        # row draws a random key (its recovered / bonus token) and k uniforms (its accept tests) from its
-        # own generator: a few numbers per row, not vocabulary-sized.
-        keys, u = [], []
-        for s, n in zip(seqs, lens):
-            if _coupled(s):
-                keys.append(torch.tensor([noise_key(s.params.seed, n + j) for j in range(k + 1)], dtype=torch.int64))
-            elif _sampled(s):
-                keys.append(torch.randint(0, 2**31 - 1, (k + 1,), generator=s.generator))
-                u.append(torch.rand(k, generator=s.generator))
-                continue
-            else:
-                keys.append(torch.full((k + 1,), -1, dtype=torch.int64))
-            u.append(torch.zeros(k))
-        keys = torch.stack(keys).to(dev, torch.int32).reshape(bsz, k + 1)
-        u = torch.stack(u).to(dev) if k else torch.zeros((bsz, 0), device=dev)
+        # row draws a random key (its recovered / bonus token) and k uniforms (its accept tests) from the
+        # worker's stream, the batch's in one call each: a few numbers per row, not vocabulary-sized.
+        keys = [[noise_key(s.params.seed, n + j) for j in range(k + 1)] if _coupled(s) else [-1] * (k + 1)
+                for s, n in zip(seqs, lens)]
+        keys = torch.tensor(keys, dtype=torch.int64).reshape(bsz, k + 1)
+        u = torch.zeros((bsz, k))
+        sampled = [b for b, s in enumerate(seqs) if _sampled(s)]
+        if sampled:
+            at = torch.tensor(sampled)
+            keys[at] = torch.randint(0, 2**31 - 1, (len(sampled), k + 1), generator=self.rng)
+            u[at] = torch.rand((len(sampled), k), generator=self.rng)
+        keys, u = keys.to(dev, torch.int32), u.to(dev)
         q_values = q_ids = None
         if proposal.probs is not None:
             q_values, q_ids = proposal.probs.to(dev), proposal.support.to(dev)
@@ -675,20 +673,22 @@ class ModelWorker:
 
             return draw_greedy
         w = Warp.of([s.params for s in seqs], dev)
+        is_greedy, coupled = [s.params.greedy for s in seqs], [_coupled(s) for s in seqs]
 
         def draw(logits, positions, small=None, rows=None):
-            picked = None if rows is None else rows.tolist()  # rows: a host tensor
-            sub = seqs if picked is None else [seqs[b] for b in picked]
-            keys = torch.tensor([noise_key(s.params.seed, n) if _coupled(s) else -1 for s, n in zip(sub, positions)],
-                                dtype=torch.int32, device=dev)
-            u = torch.stack([torch.rand(1, generator=s.generator)[0] if _sampled(s) else torch.zeros(()) for s in sub]).to(dev)
+            picked = list(range(len(seqs))) if rows is None else rows.tolist()  # rows: a host tensor
+            kind = [is_greedy[b] for b in picked], [coupled[b] for b in picked]
+            keys = (torch.tensor([noise_key(seqs[b].params.seed, n) if coupled[b] else -1 for b, n in zip(picked, positions)],
+                                 dtype=torch.int32, device=dev) if any(kind[1])
+                    else torch.full((len(picked),), -1, dtype=torch.int32, device=dev))
+            u = torch.rand(len(picked), generator=self.rng).to(dev)  # read by the unseeded sampled rows alone
             # before draft_choice, which may warp logits' rows in place
             c = confidence(small if small is not None else logits) if conf else None
             if rows is None:
-                tok, q, ids = draft_choice(logits, greedy, keys, w, u, self.top_n)
+                tok, q, ids = draft_choice(logits, greedy, keys, w, u, self.top_n, kind)
             else:
                 index = rows.to(dev)
-                tok, q, ids = draft_choice(logits, greedy[index], keys, w.rows(index, picked), u, self.top_n)
+                tok, q, ids = draft_choice(logits, greedy[index], keys, w.rows(index, picked), u, self.top_n, kind)
             # q and ids copied without waiting, then tok's copy waits for the stream once: one sync, not three
             if q is not None:  # None: every row drawn here is greedy
                 q, ids = q.to("cpu", non_blocking=True), ids.to("cpu", non_blocking=True)
@@ -1049,7 +1049,7 @@ def _coupled(s: Sequence) -> bool:
 
 
 def _sampled(s: Sequence) -> bool:
-    """Unseeded sampled requests: rejection sampling with uniforms from the sequence's generator."""
+    """Unseeded sampled requests: rejection sampling with uniforms from the worker's stream (`rng`)."""
     return not s.params.greedy and s.params.seed is None
 
 
@@ -1125,10 +1125,3 @@ def _widened(per_position: list, rows: int, width: int, dtype) -> torch.Tensor: 
         if x is not None:
             out[:, j, : x.shape[1]] = x
     return out
-
-
-def _role_seed(seed: int | None, role: str) -> int:
-    """Per-request seed for one role; draft and target draw from different streams."""
-    if seed is None:
-        return random.getrandbits(63)
-    return (seed * 1_000_003 + (1 if role == "draft" else 2)) % (2**63)
