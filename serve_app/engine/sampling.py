@@ -390,6 +390,14 @@ def draft_choice(
     dev = logits.device
     if kind is None:  # the rows' kinds read to the host in one transfer, then partitioned there (one sync, not five)
         kind = torch.stack([greedy.long(), (keys >= 0).long()]).tolist()
+    elif not any(kind[0]) and not any(kind[1]) and w.min_p is None and vocab_ops.fits(logits):
+        # every row plain (the usual sampled batch): q and the draws in one C call, nothing partitioned
+        b, n = logits.shape[0], min(top_n, logits.shape[-1])
+        tokens, values = torch.empty(b, dtype=torch.long), torch.empty((b, n), dtype=torch.float32)
+        support = torch.empty((b, n), dtype=torch.int32)
+        if not vocab_ops.draft_sample(logits, torch.arange(b), n, w.temperature, w.cut_flags(), w.top_k, w.top_p, u,
+                                      tokens, values, support):
+            return tokens, values, support
     g = [i for i, x in enumerate(kind[0]) if x]
     if len(g) == len(kind[0]):
         return argmax(logits), None, None
