@@ -296,8 +296,9 @@ def test_verify_decides_as_torchs_ops(dtype, vocab):
     ws = w.rows(rows, rows.tolist())
     tok, ok = sampling._verify_rows(x, rows, rows, 0, ws, test, drafts, keys, q, q_ids[:, None].int(), u)
     want_tok, want_ok = torch.full((b,), -1), torch.zeros(b, dtype=torch.bool)
-    sampling._sampled_rows(x, rows, rows, 0, ws, [seeded[r] for r in rows.tolist()], [drafted[r] for r in rows.tolist()],
-                           drafts, keys, q, q_ids[:, None].int(), u, want_tok, want_ok)
+    picked = rows.tolist()
+    sampling._sampled_rows(x, rows, rows, 0, ws, [seeded[r] for r in picked], [drafted[r] for r in picked], drafts,
+                           keys, q, q_ids[:, None].int(), u, want_tok, want_ok)
     done = tok >= 0  # -1: a nucleus wider than the kernel's candidates, left to torch's ops (verify_walk)
     assert done.sum() >= len(rows) * 3 // 4
     want_tok, want_ok = want_tok[rows][done], want_ok[rows][done]
@@ -375,7 +376,8 @@ def test_scaled_by_a_reciprocal_is_ieees_division_for_every_bfloat16_value():
     t = torch.cat([torch.tensor([0.01, 0.07, 0.7, 0.99999994, 1.0, 1.3, 2.0, 2**-27, 2**-28, 255.9, 256.0, 1e5]),
                    torch.rand(20, generator=g) * 3 + 0.05])
     rows = every[None].expand(len(t), -1).contiguous()
-    wide = (torch.rand(len(t), 70000, generator=g) - 0.5) * torch.exp2(torch.randint(-126, 127, (len(t), 70000), generator=g).float())
+    scale = torch.exp2(torch.randint(-126, 127, (len(t), 70000), generator=g).float())
+    wide = (torch.rand(len(t), 70000, generator=g) - 0.5) * scale
     same = lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)  # noqa: E731
     before = vocab_ops.wide_lanes(True)
     try:

@@ -423,7 +423,8 @@ def draft_choice(
     plain_rows = [i for i, (x, y) in enumerate(zip(*kind)) if not x and not y]
     plain = _index(plain_rows, dev)
     # zeros for greedy and seeded rows; where every row is plain and the kernel draws them all, it writes every entry
-    blank = torch.empty if len(plain_rows) == logits.shape[0] and w.min_p is None and vocab_ops.fits(logits) else torch.zeros
+    whole = len(plain_rows) == logits.shape[0] and w.min_p is None and vocab_ops.fits(logits)
+    blank = torch.empty if whole else torch.zeros
     values = blank((logits.shape[0], n), dtype=torch.float32, device=logits.device)
     support = blank((logits.shape[0], n), dtype=torch.int32, device=logits.device)
     if len(plain) and w.min_p is None and vocab_ops.fits(logits):  # q and the draw in one C call a row

@@ -46,8 +46,9 @@ static inline float row_max(const void *x, long base, long V, int bf16, int *nan
     for (; i < quad; i += 32) {
         __m256 a = load8(x, base + i, bf16), b = load8(x, base + i + 8, bf16), c = load8(x, base + i + 16, bf16),
                d = load8(x, base + i + 24, bf16);
-        bad = _mm256_or_ps(bad, _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q), _mm256_cmp_ps(b, b, _CMP_UNORD_Q)),
-                                             _mm256_or_ps(_mm256_cmp_ps(c, c, _CMP_UNORD_Q), _mm256_cmp_ps(d, d, _CMP_UNORD_Q))));
+        const __m256 ab = _mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q), _mm256_cmp_ps(b, b, _CMP_UNORD_Q)),
+                     cd = _mm256_or_ps(_mm256_cmp_ps(c, c, _CMP_UNORD_Q), _mm256_cmp_ps(d, d, _CMP_UNORD_Q));
+        bad = _mm256_or_ps(bad, _mm256_or_ps(ab, cd));
         m0 = _mm256_max_ps(a, m0);  /* max(v, m) keeps m where v is NaN */
         m1 = _mm256_max_ps(b, m1);
         m2 = _mm256_max_ps(c, m2);
@@ -75,7 +76,8 @@ __attribute__((constructor)) static void detect_lanes(void) {
     wide_lanes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
 }
 
-/* Tests compare the two widths: on = 0 keeps to 8 lanes, 1 uses 16 where the CPU has them. Returns the setting before. */
+/* Tests compare the two widths: on = 0 keeps to 8 lanes, 1 uses 16 where the CPU has them. Returns the setting
+ * before. */
 int use_wide_lanes(int on) {
     const int before = wide_lanes;
     __builtin_cpu_init();
@@ -284,9 +286,9 @@ T512 static long at_least16(const void *x, long base, long V, float t0, item_t *
  * levels: ~550 of them at a 128k vocabulary and width 64, most of the pass's time). W strided lanes (lane j holds
  * tokens j, j + W, ...), W twice width rounded up to 16 lanes, each have a largest value: W values, so the width-th
  * largest of them, t0, is at most the width-th largest of the row, and only values >= t0 (~100 of 128k; ~300 with
- * W = width, where t0 is the smallest lane's largest) can be among the largest. Those go to the heap in the order of their ids, as every value does in
- * `heap_items`, so the heap ends the same. Returns 0, having done nothing, where the bound does not pay: a short
- * row, fewer than width lanes above -inf, more than `cap` values >= t0. */
+ * W = width, where t0 is the smallest lane's largest) can be among the largest. Those go to the heap in the order
+ * of their ids, as every value does in `heap_items`, so the heap ends the same. Returns 0, having done nothing, where
+ * the bound does not pay: a short row, fewer than width lanes above -inf, more than `cap` values >= t0. */
 static int bounded_items(const void *x, long base, long V, long width, item_t *heap, int bf16) {
     const long W0 = (width + 15) & ~15L, cap = W0 * 16 > 1024 ? W0 * 16 : 1024;
     const long W = V / (2 * W0) >= 16 ? 2 * W0 : W0;
@@ -852,13 +854,14 @@ void verify_rows(const void *x, long xs, long V, const long *rows, long R, const
  * (where cut[r]; `row_floor` on those n values) and renormalized (softmax), into values[r, :] and their ids into
  * ids[r, :] (descending; cut tokens keep their id with q 0); token[r] = the id at the first position whose running
  * sum of q exceeds u[r] times the whole sum (inverse-CDF, `speculative.sample`). A row whose largest value is not
- * finite (every token masked, or NaN) is left to the caller: token[r] = -1; returns how many were. Any q is exact for rejection sampling
- * as long as the target verifies against it, so these bits need not be torch's softmax's. */
+ * finite (every token masked, or NaN) is left to the caller: token[r] = -1; returns how many were. Any q is exact
+ * for rejection sampling as long as the target verifies against it, so these bits need not be torch's softmax's. */
 long draft_sample(const void *x, long xs, long V, const long *rows, long R, long n, const float *t,
                   const int32_t *cut, const long *top_k, const float *top_p, const float *u, long *token,
                   float *values, int32_t *ids, int bf16, int threads) {
     long left = 0;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (R > 1 && R * V >= MANY_ELEMENTS) reduction(+ : left)
+    #pragma omp parallel for schedule(static) num_threads(threads) if (R > 1 && R * V >= MANY_ELEMENTS) \
+        reduction(+ : left)
     for (long a = 0; a < R; a++) {
         const long r = rows[a];
         item_t heap[n];

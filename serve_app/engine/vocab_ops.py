@@ -150,9 +150,10 @@ def top_p_floor(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> to
 def warp(x: torch.Tensor, t: torch.Tensor | None, cut: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
          out: torch.Tensor) -> torch.Tensor:  # x [R, V]; t, cut, top_k, top_p [R] -> floor [R] float32
     """out = x / t[:, None] in float32 (t None: widened alone), each row with cut[r] (int32 flags, `Warp.cut_flags`)
-    then cut below its top-k / top-p floor, one row at a time while it is in cache: `scaled`, `top_p_floor` and `cut_below_`'s bits. Returns each
-    row's floor (-inf for an uncut row; NaN where the nucleus outgrows WIDEST candidates: that row is scaled but not
-    cut, for torch's loop). out: float32 [R, V], contiguous rows, or x itself when x is float32."""
+    then cut below its top-k / top-p floor, one row at a time while it is in cache: `scaled`, `top_p_floor` and
+    `cut_below_`'s bits. Returns each row's floor (-inf for an uncut row; NaN where the nucleus outgrows WIDEST
+    candidates: that row is scaled but not cut, for torch's loop). out: float32 [R, V], contiguous rows, or x itself
+    when x is float32."""
     rows, vocab = x.shape
     t = None if t is None else t.to(torch.float32).contiguous()
     cut = cut.to(torch.int32).contiguous()
@@ -166,7 +167,7 @@ def warp(x: torch.Tensor, t: torch.Tensor | None, cut: torch.Tensor, top_k: torc
 
 def draft_sample(x: torch.Tensor, rows: torch.Tensor, n: int, t: torch.Tensor, cut: torch.Tensor, top_k: torch.Tensor,
                  top_p: torch.Tensor, u: torch.Tensor, tokens: torch.Tensor, values: torch.Tensor,
-                 ids: torch.Tensor) -> int:  # x [B, V]; rows [R]; t, cut, top_k, top_p, u [B]; tokens [B]; values, ids [B, n]
+                 ids: torch.Tensor) -> int:  # x [B, V]; rows [R]; t ... u, tokens [B]; values, ids [B, n]
     """For each of `rows`: the draft's q over its n most likely tokens, divided by t, cut by top-k / top-p where cut
     (`sampling._truncate` on those n; cut: int32 flags, `Warp.cut_flags`) and renormalized, into values (float32)
     and ids (int32), and a token drawn from it by u (`speculative.sample`'s inverse CDF) into tokens; -1 there for a
@@ -216,8 +217,8 @@ def choose(x: torch.Tensor, rows: torch.Tensor, t: torch.Tensor | None, cut: tor
     """The coupled sampler's choice over each of `rows` of x warped (`verify` with nothing tested): a seeded row's
     token, the warped rows never written out. -1 for a row whose nucleus outgrows WIDEST candidates."""
     r = len(rows)
-    nothing = torch.zeros(r, dtype=torch.long)
-    return verify(x, rows, t, cut, top_k, top_p, [False] * r, nothing, torch.zeros(r, 1), torch.zeros(r, 1, dtype=torch.int32),
+    no_q, no_ids = torch.zeros(r, 1), torch.zeros(r, 1, dtype=torch.int32)
+    return verify(x, rows, t, cut, top_k, top_p, [False] * r, torch.zeros(r, dtype=torch.long), no_q, no_ids,
                   torch.zeros(r), keys)[0]
 
 

@@ -678,9 +678,11 @@ class ModelWorker:
         def draw(logits, positions, small=None, rows=None):
             picked = list(range(len(seqs))) if rows is None else rows.tolist()  # rows: a host tensor
             kind = [is_greedy[b] for b in picked], [coupled[b] for b in picked]
-            keys = (torch.tensor([noise_key(seqs[b].params.seed, n) if coupled[b] else -1 for b, n in zip(picked, positions)],
-                                 dtype=torch.int32, device=dev) if any(kind[1])
-                    else torch.full((len(picked),), -1, dtype=torch.int32, device=dev))
+            if any(kind[1]):
+                keys = torch.tensor([noise_key(seqs[b].params.seed, n) if coupled[b] else -1
+                                     for b, n in zip(picked, positions)], dtype=torch.int32, device=dev)
+            else:  # no seeded row: no noise keys to work out
+                keys = torch.full((len(picked),), -1, dtype=torch.int32, device=dev)
             u = torch.rand(len(picked), generator=self.rng).to(dev)  # read by the unseeded sampled rows alone
             # before draft_choice, which may warp logits' rows in place
             c = confidence(small if small is not None else logits) if conf else None
