@@ -559,8 +559,8 @@ static void score_block(const void *x, long base, long V, long b, float e_min, u
         if (score[i] > *best || (score[i] == *best && ids[i] < *choice)) { *best = score[i]; *choice = ids[i]; }
 }
 
-/* argmax over the tokens t of a row of V at x + base of x[t] - log E(t), E the coupled sampler's Exp(1) noise under key
- * (`sampling.gumbel_argmax`, the same Gumbel-max choice): every block's bound max logit - log E_min (one pass for
+/* argmax over the tokens t of a row of V at x + base of x[t] - log E(t), E the coupled sampler's Exp(1) noise under
+ * key (`sampling.gumbel_argmax`, the same Gumbel-max choice): every block's bound max logit - log E_min (one pass for
  * the maxima, one over the blocks), then blocks token by token in descending bound until the next bound is below the
  * best score: the FIRST_BLOCKS highest from a heap, and where those do not settle it (flat rows) every block sorted.
  * A row of -inf (or NaN) gets its first token. */
@@ -716,7 +716,7 @@ void warp_rows(const void *x, long xs, long R, long V, const float *t, const int
 /* ---- the target's decision for a sampled row (`sampling.verify_walk`) ---- */
 #define SPARSE 256  /* a nucleus of at most this many tokens is scored block by block, the row not cut */
 /* `bytes` of this thread's scratch space `slot` (0: a row of floats, 1: a row's kept candidates), kept between calls
- * (the pool's threads live on): a fresh 512 KB block per call would be mapped and faulted in page by page each time. */
+ * (the pool's threads live on): a fresh 512 KB block per call would be mapped and faulted in page by page. */
 static void *scratch(int slot, long bytes) {
     static __thread void *space[2] = {NULL, NULL};
     static __thread long size[2] = {0, 0};
