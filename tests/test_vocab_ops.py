@@ -275,7 +275,9 @@ def test_verify_decides_as_torchs_ops(dtype, vocab):
     (coupled choices, bonus tokens, recovered tokens from the residual) as verify_walk's ops one by one."""
     b, n = 40, 64
     g = torch.Generator().manual_seed(vocab)
-    x = (torch.randn(b, vocab, generator=g) * 8).to(dtype)
+    x = torch.randn(b, vocab, generator=g) * 8
+    x[2::5] *= 0.05  # flat rows: nuclei of hundreds of tokens, past the few scored block by block
+    x = x.to(dtype)
     w = _settings(b, vocab)
     rows = torch.arange(1, b)  # row 0 left out: rows index into x
     seeded = [r % 4 == 0 for r in range(b)]
@@ -387,3 +389,29 @@ def test_scaled_by_a_reciprocal_is_ieees_division_for_every_bfloat16_value():
             same(vocab_ops.scaled(wide, t), wide / t[:, None])
     finally:
         vocab_ops.wide_lanes(before)
+
+
+def test_verify_recovers_from_the_residual_of_a_wide_nucleus():
+    """A nucleus too wide to score block by block (hundreds of tokens), the draft's q close below p on most of it:
+    after a rejection the recovered token comes from max(0, p - q), whose mass there is what q left (a row cut after
+    the residual would lose it: the residual's logits fall below the floor)."""
+    b, vocab, n = 30, 600, 512
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(b, vocab, generator=g) * 0.05  # flat: ~95% of 600 tokens kept at top_p 0.95
+    params = [type("P", (), {"temperature": 1.0, "top_k": 0, "top_p": 0.95, "min_p": 0.0})()] * b
+    w = Warp.of(params, "cpu")
+    p = sampling.warp_(x.clone(), w).softmax(dim=-1)
+    q_ids = x.topk(n, dim=-1).indices  # [B, n]
+    q = (0.9 * p.gather(1, q_ids))[:, None]  # [B, 1, n]: a little below p on its support
+    drafts = p.argmin(dim=-1, keepdim=True)  # a token the cut dropped: p = 0, always rejected
+    keys = torch.randint(0, 2**31 - 1, (b, 2), generator=g, dtype=torch.int32)
+    u = torch.rand(b, 1, generator=g)
+    rows = torch.arange(b)
+    tok, ok = sampling._verify_rows(x, rows, rows, 0, w, [True] * b, drafts, keys, q, q_ids[:, None].int(), u)
+    want_tok, want_ok = torch.full((b,), -1), torch.ones(b, dtype=torch.bool)
+    sampling._sampled_rows(x, rows, rows, 0, w, [False] * b, [1] * b, drafts, keys, q, q_ids[:, None].int(), u,
+                           want_tok, want_ok)
+    assert not ok.any() and not want_ok.any()
+    assert tok.equal(want_tok)
+    on_support = (q_ids == tok[:, None]).any(dim=1)
+    assert 0 < int(on_support.sum()) < b  # recovered tokens both on q's support and off it

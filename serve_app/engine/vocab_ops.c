@@ -804,14 +804,10 @@ void verify_rows(const void *x, long xs, long V, const long *rows, long R, const
                 f = row_floor(row, V, top_k[a], top_p[a], widest, kept, &n_kept, &lse);
                 if (f != f) continue;
                 if (n_kept >= 0 && n_kept <= SPARSE) nb = kept_blocks(row, V, f, kept, n_kept, blocks);
+                else cut_below(row, V, 1, V, &f, 1);  /* now, before a residual lowers kept values below f */
             }
-            int is_cut = f == -INFINITY;  /* the cut applied to the row (none to apply: as good as done) */
             if (test[a]) {
-                if (lse != lse) {  /* the kept values not all among the floor's candidates (or no cut): sum the row */
-                    if (!is_cut) cut_below(row, V, 1, V, &f, 1);
-                    is_cut = 1;
-                    row_logsumexp(row, V, 1, V, &lse, 0, 1);
-                }
+                if (lse != lse) row_logsumexp(row, V, 1, V, &lse, 0, 1);  /* not from the candidates: the cut row's */
                 const float *q = qv + a * n;
                 const int32_t *ids = qi + a * n;
                 float q_x = 0.0f;
@@ -839,12 +835,9 @@ void verify_rows(const void *x, long xs, long V, const long *rows, long R, const
                     row[ids[j]] = v < row[ids[j]] ? v : row[ids[j]];
                 }
             }
-            if (!is_cut && nb >= 0) {  /* a nucleus of a few tokens: only their blocks */
-                token[a] = sparse_gumbel(row, V, blocks, nb, (uint32_t)keys[a]);
-                continue;
-            }
-            if (!is_cut) cut_below(row, V, 1, V, &f, 1);
-            token[a] = gumbel_row(row, 0, V, (uint32_t)keys[a], 0);
+            /* a nucleus of a few tokens: only their blocks (the rest of the row never cut); else the whole row, cut */
+            token[a] = nb >= 0 ? sparse_gumbel(row, V, blocks, nb, (uint32_t)keys[a])
+                               : gumbel_row(row, 0, V, (uint32_t)keys[a], 0);
         }
     }
 }
