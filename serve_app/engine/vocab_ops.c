@@ -774,10 +774,11 @@ static long sparse_gumbel(const float *row, long V, const long *blocks, long nb,
  * of the warped row. token[a] = -1 where the nucleus outgrows `widest` (the caller's torch path takes the row).
  * The warped rows never reach memory: the passes one by one wrote a float32 copy of every row and read it back
  * three times. x may be float32 or bfloat16 rows; the warped row and the choices are those of `warp_rows` and
- * `gumbel_row`. Where the floor's candidates hold every value it keeps (the usual nucleus, a few tokens), the rest
- * of the row is never cut nor read again: the kept values' logsumexp comes from the candidates (a few float32 ulps
- * from `row_logsumexp` of the cut row) and the choice from their blocks alone (`sparse_gumbel`), so a row costs its
- * scaling, its floor's two passes and nothing after. A row with nothing to warp, cut or test is chosen from x as it
+ * `gumbel_row`. Where the floor's candidates hold every value it keeps, the kept values' logsumexp comes from them
+ * (a few float32 ulps from `row_logsumexp` of the cut row), and where they are few (the usual nucleus, up to SPARSE)
+ * the rest of the row is never cut nor read again: the choice comes from their blocks alone (`sparse_gumbel`), so a
+ * row costs its scaling, its floor's two passes and nothing after. A wider nucleus is cut at once, before a residual
+ * lowers kept values below the floor. A row with nothing to warp, cut or test is chosen from x as it
  * is. The test's probabilities and the residual use libm's expf / logf (within an ulp of torch's). */
 void verify_rows(const void *x, long xs, long V, const long *rows, long R, const float *t, const int32_t *cut,
                  const long *top_k, const float *top_p, const int32_t *test, const long *d, const float *qv,
