@@ -231,6 +231,10 @@ class Warp:
                          else ((self.top_k > 0) | (self.top_p < 1.0)).int())
         return self._cut
 
+    def divisor(self) -> torch.Tensor | None:  # [N] float32 or None
+        """The temperatures the C kernels divide rows by, or None where no row is scaled (known on the host)."""
+        return self.temperature if self.host is None or any(self.host[0]) else None
+
     def warps(self) -> bool:
         """warp_ would change some row (not known on the host: assume so)."""
         return self.host is None or self.min_p is not None or any(self.host[0]) or any(self.host[1])
@@ -390,8 +394,9 @@ def draft_choice(
     dev = logits.device
     if kind is None:  # the rows' kinds read to the host in one transfer, then partitioned there (one sync, not five)
         kind = torch.stack([greedy.long(), (keys >= 0).long()]).tolist()
-    elif not any(kind[0]) and not any(kind[1]) and w.min_p is None and vocab_ops.fits(logits):
-        # every row plain (the usual sampled batch): q and the draws in one C call, nothing partitioned
+    if not any(kind[0]) and not any(kind[1]) and w.min_p is None and vocab_ops.fits(logits):
+        # every row plain (the usual sampled batch): q and the draws in one C call, nothing partitioned; a row with no
+        # finite logit (rare) sends the batch through the partitioning below
         b, n = logits.shape[0], min(top_n, logits.shape[-1])
         tokens, values = torch.empty(b, dtype=torch.long), torch.empty((b, n), dtype=torch.float32)
         support = torch.empty((b, n), dtype=torch.int32)
@@ -411,9 +416,8 @@ def draft_choice(
         rows = _index(seeded, dev)
         ws = w.rows(rows, seeded)
         if ws.min_p is None and vocab_ops.fits(logits):  # on a CPU one C call, the warped rows never written out
-            scaled = ws.host is None or any(ws.host[0])
-            tokens[rows] = chosen = vocab_ops.choose(logits, rows, ws.temperature if scaled else None, ws.cut_flags(),
-                                                     ws.top_k, ws.top_p, keys[rows])
+            tokens[rows] = chosen = vocab_ops.choose(logits, rows, ws.divisor(), ws.cut_flags(), ws.top_k, ws.top_p,
+                                                     keys[rows])
             seeded = [b for b, t in zip(seeded, chosen.tolist()) if t < 0]  # a nucleus too wide: torch's ops below
             rows = _index(seeded, dev)
             ws = w.rows(rows, seeded)
@@ -422,11 +426,8 @@ def draft_choice(
         tokens[rows] = gumbel_argmax(x, keys[rows])
     plain_rows = [i for i, (x, y) in enumerate(zip(*kind)) if not x and not y]
     plain = _index(plain_rows, dev)
-    # zeros for greedy and seeded rows; where every row is plain and the kernel draws them all, it writes every entry
-    whole = len(plain_rows) == logits.shape[0] and w.min_p is None and vocab_ops.fits(logits)
-    blank = torch.empty if whole else torch.zeros
-    values = blank((logits.shape[0], n), dtype=torch.float32, device=logits.device)
-    support = blank((logits.shape[0], n), dtype=torch.int32, device=logits.device)
+    values = torch.zeros((logits.shape[0], n), dtype=torch.float32, device=logits.device)
+    support = torch.zeros((logits.shape[0], n), dtype=torch.int32, device=logits.device)
     if len(plain) and w.min_p is None and vocab_ops.fits(logits):  # q and the draw in one C call a row
         if vocab_ops.draft_sample(logits, plain, n, w.temperature, w.cut_flags(), w.top_k, w.top_p, u, tokens, values,
                                   support):  # rows with no finite logit: torch's ops below
@@ -521,8 +522,9 @@ def verify_walk(
                 tok, ok = _verify_rows(x, rows, active[rows], j, ws, test, drafts, keys, q_values, q_ids, accept_u)
                 token[rows], accepted[rows] = tok, ok
                 other = [i for i, t in zip(other, tok.tolist()) if t < 0]  # a nucleus too wide: torch's ops below
-                rows = at(other)
-                ws = w.rows(active[rows], [live[i] for i in other])
+                if other:
+                    rows = at(other)
+                    ws = w.rows(active[rows], [live[i] for i in other])
             if other:
                 _sampled_rows(x, rows, active[rows], j, ws, [is_seeded[live[i]] for i in other],
                               [drafted_to[live[i]] for i in other], drafts, keys, q_values, q_ids, accept_u,
@@ -546,13 +548,12 @@ def verify_walk(
 def _verify_rows(x, rows, rows_b, j, w, test, drafts, keys, q_values, q_ids, accept_u):
     """`vocab_ops.verify` for rows `rows` of position j's logits x (rows_b: their batch rows; w: their settings;
     test: which are rejection-tested): token [R], accepted [R]."""
-    scaled = w.host is None or any(w.host[0])
     r, k = len(test), drafts.shape[1]
     if any(test):
         q_v, q_i, u = q_values[rows_b, j], q_ids[rows_b, j], accept_u[rows_b, j]
     else:  # nothing tested (seeded rows, bonus tokens): no proposal to read, and past the last draft none exists
         q_v, q_i, u = torch.zeros((r, 1)), torch.zeros((r, 1), dtype=torch.int32), torch.zeros(r)
-    return vocab_ops.verify(x, rows, w.temperature if scaled else None, w.cut_flags(), w.top_k, w.top_p, test,
+    return vocab_ops.verify(x, rows, w.divisor(), w.cut_flags(), w.top_k, w.top_p, test,
                             drafts[rows_b, min(j, k - 1)] if k else torch.zeros(r, dtype=torch.long), q_v, q_i, u,
                             keys[rows_b, j])
 

@@ -653,17 +653,16 @@ static float floor_of(const item_t *top, long width, long V, long top_k, float t
 /* `floor_of` a float32 row of V: candidates widen 8x (from 64, or top-k) while the nucleus may reach past them;
  * past `widest` NaN (the caller's torch path takes the row). With `kept` (room for `widest` items; else NULL) also
  * the values the floor keeps, where the candidates hold them all (the next value is below the floor): their ids into
- * kept[0 .. *n_kept) and their logsumexp into *kept_lse; *n_kept = -1 and *kept_lse NaN where they may not. */
+ * kept[0 .. *n_kept), and with `kept_lse` (else NULL) their logsumexp; *n_kept = -1 and *kept_lse NaN where they
+ * may not. */
 static float row_floor(const float *x, long V, long top_k, float top_p, long widest, item_t *kept, long *n_kept,
                        float *kept_lse) {
     long width = top_k > 0 ? (top_k > 64 ? top_k : 64) : 64;
     width = width < V ? width : V;
     float total = NAN;  /* the whole row's normaliser: only top-p alone reads it (top-k starts within its k) */
     if (top_k <= 0) row_logsumexp(x, V, 1, V, &total, 0, 1);
-    if (kept) {
-        *n_kept = -1;
-        *kept_lse = NAN;
-    }
+    if (kept) *n_kept = -1;
+    if (kept_lse) *kept_lse = NAN;
     while (width <= widest) {
         item_t *top = malloc(width * sizeof(item_t));
         top_items(x, 0, V, width, top, 0);
@@ -672,11 +671,11 @@ static float row_floor(const float *x, long V, long top_k, float top_p, long wid
             double s = 0.0;
             long n = 0;
             for (; n < width && top[n].v >= f; n++) {
-                s += (double)exp1(top[n].v - top[0].v);
+                if (kept_lse) s += (double)exp1(top[n].v - top[0].v);
                 kept[n] = top[n];
             }
             *n_kept = n;
-            *kept_lse = (float)((double)top[0].v + log(s));
+            if (kept_lse) *kept_lse = (float)((double)top[0].v + log(s));
         }
         free(top);
         if (f == f || width == widest) return f;
@@ -802,7 +801,7 @@ void verify_rows(const void *x, long xs, long V, const long *rows, long R, const
             long n_kept = -1, nb = -1;  /* the kept values' count where all are among the floor's candidates (in
                                            kept), and the blocks they lie in where few: only those cut and scored */
             if (cut[a]) {
-                f = row_floor(row, V, top_k[a], top_p[a], widest, kept, &n_kept, &lse);
+                f = row_floor(row, V, top_k[a], top_p[a], widest, kept, &n_kept, test[a] ? &lse : NULL);
                 if (f != f) continue;
                 if (n_kept >= 0 && n_kept <= SPARSE) nb = kept_blocks(row, V, f, kept, n_kept, blocks);
                 else cut_below(row, V, 1, V, &f, 1);  /* now, before a residual lowers kept values below f */
