@@ -13,6 +13,7 @@ returns only the tag, which the Router passes on with the draft's commit (`Featu
 
 from __future__ import annotations
 
+import io
 import pickle
 import socket
 import struct
@@ -31,10 +32,29 @@ class FeatureTag(NamedTuple):
     part: int
 
 
+class _Pickler(pickle.Pickler):
+    """Pickles a CPU tensor as its numpy array (torch's own reduction goes through `torch.save`: ~130 us to encode
+    and ~170 to decode a step's empty proposal, against ~10 this way, both on a step's critical path)."""
+
+    def reducer_override(self, obj):
+        if type(obj) is torch.Tensor and obj.device.type == "cpu" and obj.dtype in _NUMPY and not obj.requires_grad:
+            return torch.from_numpy, (obj.numpy(),)
+        return NotImplemented
+
+
+_NUMPY = {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.float64, torch.float32,
+          torch.float16}
+"""Tensor dtypes numpy holds (bfloat16 is not one: those keep torch's reduction)."""
+
+
 def encode(obj) -> bytes:
     """One message: its length, then its pickle (what cannot be pickled raises here, before anything is sent)."""
-    data = pickle.dumps(obj, protocol=5)
-    return HEADER.pack(len(data)) + data
+    buf = io.BytesIO()
+    buf.write(bytes(HEADER.size))
+    _Pickler(buf, protocol=5).dump(obj)
+    data = buf.getbuffer()
+    HEADER.pack_into(data, 0, len(data) - HEADER.size)
+    return bytes(data)
 
 
 def send(sock: socket.socket, obj) -> None:

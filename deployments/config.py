@@ -126,6 +126,15 @@ class AppConfig(BaseModel):
     replica. `specserve serve` turns it on (--separate-router keeps the two deployments)."""
 
     @model_validator(mode="after")
+    def _no_default_draft_without_speculation(self) -> "AppConfig":
+        """Policy none never drafts: the target's default draft is not started (an actor, its forwards over each
+        step's features and the target's capture of them, all beside the forward for nothing). A draft named
+        in `model.draft` still is."""
+        if self.engine.policy == "none" and self.model.draft is None:
+            self.model = self.model.model_copy(update={"draft": "none"})
+        return self
+
+    @model_validator(mode="after")
     def _one_group_for_router_in_ingress(self) -> "AppConfig":
         if self.router_in_ingress and (len(self.groups) != 1 or self.ingress_resources):
             raise ValueError("router_in_ingress needs exactly one group and no ingress_resources (the ingress then "

@@ -138,7 +138,9 @@ class Router:
         """Where a step's time went since the last call (which it resets), in ms per step: the Router's wait on
         each worker split into the worker's own time in its calls (forwards, vocabulary work, the rest) and
         the hops (Ray's calls there and back), the Router's own work in the step, and the gap between steps
-        (streaming the outputs, the hop to the step's thread)."""
+        (streaming the outputs, the hop to the step's thread). A target that looks ahead (`_ModelHost._look_ahead`)
+        runs some forwards while the Router is not waiting: its hops are then net of that overlap (below zero
+        where the overlap hid more than the hops cost)."""
         split, self.split = self.split, self.new_split()
         workers = await asyncio.gather(*(asyncio.to_thread(self._worker(i).take_timings) if self.group.channel
                                          else a.take_timings.remote() for i, a in enumerate(self.actors)),
@@ -153,10 +155,12 @@ class Router:
             if isinstance(timings, BaseException):  # a worker being replaced: its wait only
                 out[role] = {"wait_ms": ms(wait)}
                 continue
+            worked = timings["call_s"] + timings["ahead_s"]  # a looked-ahead step's forward ran outside any call
             out[role] = {"wait_ms": ms(wait), "calls_per_step": round(timings["calls"] / n, 2),
                          "forward_ms": ms(timings["forward_s"]), "sample_ms": ms(timings["sample_s"]),
-                         "call_other_ms": ms(timings["call_s"] - timings["forward_s"] - timings["sample_s"]),
-                         "hops_ms": ms(wait - timings["call_s"])}
+                         "call_other_ms": ms(worked - timings["forward_s"] - timings["sample_s"]),
+                         "hops_ms": ms(wait - worked), "ahead_ms": ms(timings["ahead_s"]),
+                         "ahead_hits": round(timings["ahead_hits"] / n, 2)}
         return out
 
     @staticmethod

@@ -58,6 +58,8 @@ class _ModelHost:
         self.inbox: dict[int, tuple] = {}  # draft: packed features by FeatureTag.step, the last INBOX kept
         self.feature_conns: list[socket.socket] = []  # draft: the targets' connections features come on
         self.sel: selectors.BaseSelector | None = None  # serve_channel's, while it runs
+        self.next_ahead: list[str] | None = None  # target: rows whose next step to look ahead after this answer
+        self.ahead_s, self.ahead_runs = 0.0, 0  # looked-ahead steps: their time, how many
 
     def start(self) -> bool:
         """Load the model if not yet loaded (on this, the model calls' thread); True once it is."""
@@ -90,8 +92,13 @@ class _ModelHost:
         worker.flush_denormals = False  # on for this thread and its pool already (above)
         self.worker = worker
 
+    KEEPS_AHEAD = frozenset({"take_timings", "info", "vocab_size", "history_stats", "shares_prefixes"})
+    """Worker methods that read only: a step looked ahead stays for the verification that may follow them."""
+
     def call(self, method: str, *args):
         self.start()
+        if method not in self.KEEPS_AHEAD:
+            self._drop_ahead()
         t = time.perf_counter()
         try:
             return getattr(self.worker, method)(*args)
@@ -116,12 +123,14 @@ class _ModelHost:
             return self._features(a)
         return a
 
-    def verify(self, seq_ids, proposal, chunks=None) -> Verdict:
+    def verify(self, seq_ids, proposal, chunks=None, ahead=False) -> Verdict:
         """The target's verification; features (for an EAGLE-style draft) go to the draft's actor without a Router
         hop: down the connection to its channel, a tag returning (serve_channel), or into this node's object store,
-        a reference returning (Ray calls)."""
+        a reference returning (Ray calls). ahead: the Router expects these rows' plain decoding step next, which
+        serve_channel then runs while the Router streams this one's tokens (`ModelWorker.look_ahead`)."""
         self.start()
         t = time.perf_counter()
+        self.next_ahead = list(seq_ids) if ahead and self.serving else None
         try:
             return self._verify(seq_ids, proposal, chunks)
         finally:
@@ -192,12 +201,33 @@ class _ModelHost:
                         except (ConnectionError, OSError):
                             return  # the Router left: Ray calls reach the model thread again
                         router.sendall(self._answer(op, args))
+                        self._look_ahead(router)
         finally:
+            self._drop_ahead()
             self.serving = False
             if router is not None:
                 router.close()
             sel.close()
             self.sel = None
+
+    def _look_ahead(self, router: socket.socket) -> None:
+        """After a verification the Router marked: its rows' next plain decoding step, now, unless a request
+        already waits (its answer would wait for the whole forward). A failure undoes it; the step that asks
+        for it runs it again and meets the error there."""
+        ids, self.next_ahead = self.next_ahead, None
+        if ids is None or select.select([router], [], [], 0)[0]:
+            return
+        t = time.perf_counter()
+        try:
+            self.ahead_runs += self.worker.look_ahead(ids)
+        except Exception:
+            self._drop_ahead()
+        self.ahead_s += time.perf_counter() - t
+
+    def _drop_ahead(self) -> None:
+        """Undo a looked-ahead step (a target's `ModelWorker` only looks ahead) before a call that is not its own."""
+        if getattr(self.worker, "ahead", None) is not None:
+            self.worker.drop_ahead()
 
     def _answer(self, op: str, args: tuple) -> bytes:
         """The encoded answer to one request: ("ok", result) or ("err", what it raised); what cannot be pickled
@@ -252,6 +282,7 @@ class _ModelHost:
             gpus = ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0)
             share = min(1.0, gpus) if gpus else 1.0
         self.start()
+        self._drop_ahead()
         return self.worker.kv_room(utilization, probe_tokens, share)
 
     def take_timings(self) -> dict:
@@ -259,7 +290,10 @@ class _ModelHost:
         out = self.worker.take_timings()
         out["direct_bytes"] += self.direct_bytes
         out["call_s"], out["calls"] = self.call_s, self.n_calls
+        out["ahead_s"], out["ahead_runs"] = self.ahead_s, self.ahead_runs
+        out["ahead_hits"], self.worker.ahead_used = getattr(self.worker, "ahead_used", 0), 0
         self.direct_bytes, self.call_s, self.n_calls = 0, 0.0, 0
+        self.ahead_s, self.ahead_runs = 0.0, 0
         return out
 
     @ray.method(concurrency_group="control")
@@ -467,14 +501,15 @@ class RemoteWorker:
     def propose(self, seq_ids, k):
         return self._call("propose", seq_ids, k)
 
-    def verify(self, seq_ids, proposal, chunks=None):
+    def verify(self, seq_ids, proposal, chunks=None, ahead=False):
         """The Verdict's features, if any, stay off this process: a tag of what the target sent the draft's channel
-        (or, over Ray calls, a reference Ray resolves from the target's node); `commit` / `prefill` pass it on."""
+        (or, over Ray calls, a reference Ray resolves from the target's node); `commit` / `prefill` pass it on.
+        ahead: the same rows' plain decoding step is expected next (the actor may run it while this one streams)."""
         with self.lock:
             self.flush()
             if self.channel:
                 self._peer()
-            return self._send("verify", (seq_ids, proposal, chunks))
+            return self._send("verify", (seq_ids, proposal, chunks, ahead))
 
     def commit(self, seq_ids, new_tokens, features=None) -> None:
         self._queue("commit", seq_ids, new_tokens, features)

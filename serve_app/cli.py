@@ -1402,6 +1402,9 @@ def format_breakdown(group: str, b: dict) -> str:
             continue
         lines.append(f"  {role:<7} wait {w['wait_ms']:7.1f} = forward {w['forward_ms']:.1f} + vocabulary {w['sample_ms']:.1f}"
                      f" + rest of call {w['call_other_ms']:.1f} + hops {w['hops_ms']:.1f}  ({w['calls_per_step']:.2f} calls)")
+        if w.get("ahead_ms"):
+            lines.append(f"          looked ahead {w['ahead_ms']:.1f} ms a step, {w['ahead_hits']:.0%} of steps answered from it "
+                         "(hops net of the overlap)")
     lines.append(f"  router  {b['router_ms']:7.1f}   gap between steps {b['gap_ms']:.1f}")
     return "\n".join(lines)
 

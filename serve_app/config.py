@@ -90,6 +90,14 @@ class EngineConfig(BaseModel):
     for SDPA (fastest on a CPU), `flex` runs torch's flex_attention on the pool in place (compiled on CUDA);
     `auto`: gather on a CPU, flex on CUDA when it passes a startup probe against gather, else gather."""
 
+    look_ahead: bool = False
+    """A target in its own process (a Ray actor) runs the next plain decoding step while the Router streams the
+    last one's tokens, when the next step is likely the same rows' again (no speculation, nothing waiting or
+    being prefilled); a step that turns out otherwise is undone (`ModelWorker.look_ahead`): vLLM's async
+    scheduling, for a forward that leaves the host's cores free (a GPU). Off by default: on a 2-core CPU the
+    forward needs both cores, the overlapped Router work slowed it as much as it saved (ITL p50 20.8 against
+    19.2 ms at 1 in flight, docs/benchmarks.md); not yet measured on a GPU."""
+
     max_num_batched_tokens: int = Field(128, ge=1)
     """Per-step token budget, the balance between waiting and served requests: the target's forward feeds
     (k + 1) tokens per decoding sequence (k is lowered to fit) and gives what is left to chunks of

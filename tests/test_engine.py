@@ -1,6 +1,8 @@
 """The engine on tiny random models: lossless greedy decoding, batching, budgets, sampling, streaming."""
 
 import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -250,6 +252,29 @@ def test_streaming_and_abort(tiny_target, tiny_drafts, ref20):
     assert not engine.has_work() and engine.reserved == 0 and engine.target.order == []
 
 
+
+
+def test_generate_steps_on_the_thread_that_built_an_in_process_engine(tiny_target, tiny_drafts, ref20):
+    """In-process models compute on the thread that built the engine (torch keeps an OpenMP pool per calling
+    thread; a second one halved a step's speed on 2 cores); built on another thread, every step runs on one
+    thread of the engine's own."""
+    def steps_threads(engine) -> tuple[set, list]:
+        seen = set()
+        engine.on_step.append(lambda st: seen.add(threading.get_ident()))
+
+        async def main():
+            return [[t for out in [o async for o in engine.generate(p, SamplingParams(max_tokens=20))]
+                     for t in out.token_ids] for p in PROMPTS[:2]]
+
+        return seen, asyncio.run(main())
+
+    here = make_engine(tiny_target, tiny_drafts["same"], "fixed:2")
+    seen, outs = steps_threads(here)
+    assert seen == {threading.get_ident()} and outs == ref20[:2]
+    with ThreadPoolExecutor(1) as pool:  # built elsewhere: its steps leave this loop's thread, always for the same one
+        there = pool.submit(make_engine, tiny_target, tiny_drafts["same"], "fixed:2").result()
+    seen, outs = steps_threads(there)
+    assert len(seen) == 1 and threading.get_ident() not in seen and outs == ref20[:2]
 
 
 def test_logits_on_demand_match_the_models_own_forward(tiny_target, tiny_drafts):

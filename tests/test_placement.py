@@ -61,3 +61,9 @@ def test_serve_hosts_the_router_in_the_ingress_unless_told():
         AppConfig(router_in_ingress=True, groups=[{"name": "A"}, {"name": "B"}])
     with pytest.raises(ValidationError, match="no ingress_resources"):
         AppConfig(router_in_ingress=True, ingress_resources={"head": 0.001})
+
+
+def test_policy_none_starts_no_default_draft_but_a_named_one():
+    assert AppConfig(engine={"policy": "none"}).model.draft == "none"  # the embedded target's draft: never used
+    assert AppConfig(engine={"policy": "adaptive"}).model.draft is None  # the target's default draft
+    assert AppConfig(engine={"policy": "none"}, model={"draft": "ngram"}).model.draft == "ngram"

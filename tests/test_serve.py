@@ -649,6 +649,37 @@ def test_router_in_the_ingress_aborts_a_stream_its_client_leaves(service, direct
     assert requests_by_status(service, "D").get("499", 0) == before + 2
 
 
+def test_a_target_looking_ahead_streams_the_target_alone_text(service, tmp_path):
+    """Policy none with the Router in the ingress (what `specserve serve --policy none` deploys; the default draft
+    is then not started) and `EngineConfig.look_ahead`: while a step's tokens stream, the target already runs the
+    next step (`ModelWorker.look_ahead`). The texts are the target alone's, one at a time and with a request waiting for a
+    batch place; a seeded text is what the speculating app gives; most steps were answered from a look-ahead."""
+    from deployments.app import build_app
+
+    cfg = {"model": {"target": service["model"]["target"], "dtype": "float64"},
+           "engine": {"policy": "none", "max_batch_size": 2, "max_model_len": 96, "look_ahead": True},
+           "groups": [{"name": "N", "gpu_type": "N", "torch_threads": 1}], "router_in_ingress": True,
+           "served_model_name": "tiny-none", "profiles_dir": None, "max_tokens_limit": 96, "health_check_period_s": 1}
+    serve.run(build_app(cfg), name="ahead", route_prefix="/ahead")
+    try:
+        client = OpenAI(base_url=f"{service['url']}/ahead/v1", api_key="unused", max_retries=0, timeout=120)
+        expected = target_alone(service, tmp_path)
+        ingress = serve.get_deployment_handle("OpenAIIngress", "ahead")
+        ingress.breakdown.remote().result()  # a fresh window
+        ask = lambda p: "".join(c.choices[0].text for c in client.completions.create(  # noqa: E731
+            model="tiny-none", prompt=p, max_tokens=16, temperature=0, stream=True))
+        assert [ask(p) for p in PROMPTS] == expected
+        split = ingress.breakdown.remote().result()["N"]
+        assert "draft" not in split and split["target"]["ahead_hits"] >= 0.5, split
+        with ThreadPoolExecutor(3) as pool:  # rows join and leave: look-aheads undone, never a wrong token
+            assert list(pool.map(ask, PROMPTS)) == expected
+        seeded = {"prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0.8, "seed": 5}
+        assert (client.completions.create(model="tiny-none", **seeded).choices[0].text
+                == service["client"].completions.create(model=MODEL, **seeded).choices[0].text)
+    finally:
+        serve.delete("ahead")
+
+
 def test_a_replica_with_no_usable_profile_measures_one_at_startup_and_drafts_per_row(service, tmp_path):
     """EngineConfig.startup_profile (its default): a group whose store holds no usable profile (here one measured
     on this very host, but in float32 for a float64 engine) measures a short one before it serves instead of

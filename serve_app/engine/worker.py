@@ -173,6 +173,9 @@ class ModelWorker:
         self.history_outbox: list[tuple[str, list[int], list[int]]] | None = None
         """Outputs remembered since the last `take_history` (tenant, prompt tail, output): what a shared history
         store collects from this replica. None until a store first collects (an engine without one keeps none)."""
+        self.ahead: tuple | None = None
+        """A step looked ahead (`look_ahead`): (its rows, its Verdict or None while it runs, what undoes it)."""
+        self.ahead_used = 0  # looked-ahead steps a verification was answered with
 
     def take_timings(self) -> dict:
         """Device work since the last call (forwards; vocabulary-sized math beside them) and the bytes
@@ -386,15 +389,56 @@ class ModelWorker:
             self.live.extend(sid)
 
     # ---- target side -------------------------------------------------------------------------
+    # ---- looking ahead: the next plain decoding step, run while the caller handles this one ----------
     @torch.inference_mode()
-    def verify(self, seq_ids: list[str], proposal: Proposal, chunks: dict[str, int] | None = None) -> Verdict:
+    def look_ahead(self, seq_ids: list[str]) -> bool:
+        """Run the next plain decoding step (k = 0, no chunks) of seq_ids now, keeping what undoes it, so that a
+        `verify` asking exactly that is answered at once; any other call is to `drop_ahead` first. A worker
+        hosted in its own process calls this while its caller streams the last step's tokens (the hop and the
+        caller's work overlap the forward). False (nothing run) where a row follows a grammar (its guide's
+        state is not rewound here) or is unknown."""
+        self.drop_ahead()
+        seqs = [self.seqs.get(sid) for sid in seq_ids]
+        if not seqs or any(s is None or "guide" in s.extra for s in seqs):
+            return False
+        self.ahead = (list(seq_ids), None, ([(len(s.tokens), s.kv_len) for s in seqs], self.rng.get_state()))
+        verdict = self._verify(seq_ids, Proposal.empty(len(seq_ids)), {})
+        self.ahead = (self.ahead[0], verdict, self.ahead[2])
+        return True
+
+    def drop_ahead(self) -> None:
+        """Undo a step looked ahead that was not asked for: the rows' tokens and valid KV (what it wrote past
+        that is scratch, as after a rejected draft), and the random stream of unseeded rows."""
+        if self.ahead is None:
+            return
+        seq_ids, _, (rows, rng) = self.ahead
+        self.ahead = None
+        for sid, (n_tokens, kv_len) in zip(seq_ids, rows):
+            s = self.seqs[sid]
+            del s.tokens[n_tokens:]
+            s.kv_len = kv_len
+            self.cache.trim(sid, kv_len)
+        self.rng.set_state(rng)
+
+    @torch.inference_mode()
+    def verify(self, seq_ids: list[str], proposal: Proposal, chunks: dict[str, int] | None = None,
+               ahead: bool = False) -> Verdict:
         """Score pending + k draft tokens of every sequence in ONE forward; accept; commit.
 
         With k = 0 this is one plain decoding step. chunks {id: n}: prompts being prefilled feed their
         next n tokens in the same forward; one that reaches its prompt's end gets its first token. The
         Verdict lists seq_ids, then the chunk rows (next token -1 for a chunk that did not finish).
+        ahead: the caller expects the same rows' plain decoding step next (a host may `look_ahead`).
         """
-        chunks = chunks or {}
+        if self.ahead is not None:
+            ahead_ids, verdict, _ = self.ahead
+            if verdict is not None and ahead_ids == list(seq_ids) and not chunks and proposal.tokens.shape[1] == 0:
+                self.ahead, self.ahead_used = None, self.ahead_used + 1  # already run: the same forward and decisions
+                return verdict
+            self.drop_ahead()
+        return self._verify(seq_ids, proposal, chunks or {})
+
+    def _verify(self, seq_ids: list[str], proposal: Proposal, chunks: dict[str, int]) -> Verdict:
         seqs, cseqs = self._rows(seq_ids), self._rows(list(chunks))
         drafts = proposal.drafts()  # a row drafted lengths[b] <= k tokens; the rest of its row is padding
         k = proposal.tokens.shape[1]
