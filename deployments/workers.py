@@ -130,9 +130,11 @@ class _ModelHost:
         serve_channel then runs while the Router streams this one's tokens (`ModelWorker.look_ahead`)."""
         self.start()
         t = time.perf_counter()
-        self.next_ahead = list(seq_ids) if ahead and self.serving else None
+        self.next_ahead = None
         try:
-            return self._verify(seq_ids, proposal, chunks)
+            verdict = self._verify(seq_ids, proposal, chunks)
+            self.next_ahead = list(seq_ids) if ahead and self.serving else None  # not after a failed one
+            return verdict
         finally:
             self.call_s += time.perf_counter() - t
             self.n_calls += 1
