@@ -59,7 +59,7 @@ class _ModelHost:
         self.feature_conns: list[socket.socket] = []  # draft: the targets' connections features come on
         self.sel: selectors.BaseSelector | None = None  # serve_channel's, while it runs
         self.next_ahead: list[str] | None = None  # target: rows whose next step to look ahead after this answer
-        self.ahead_s, self.ahead_runs = 0.0, 0  # looked-ahead steps: their time, how many
+        self.ahead_s = 0.0  # time in looked-ahead steps (outside any call)
 
     def start(self) -> bool:
         """Load the model if not yet loaded (on this, the model calls' thread); True once it is."""
@@ -221,7 +221,7 @@ class _ModelHost:
             return
         t = time.perf_counter()
         try:
-            self.ahead_runs += self.worker.look_ahead(ids)
+            self.worker.look_ahead(ids)
         except Exception:
             self._drop_ahead()
         self.ahead_s += time.perf_counter() - t
@@ -292,10 +292,10 @@ class _ModelHost:
         out = self.worker.take_timings()
         out["direct_bytes"] += self.direct_bytes
         out["call_s"], out["calls"] = self.call_s, self.n_calls
-        out["ahead_s"], out["ahead_runs"] = self.ahead_s, self.ahead_runs
+        out["ahead_s"] = self.ahead_s
         out["ahead_hits"], self.worker.ahead_used = getattr(self.worker, "ahead_used", 0), 0
         self.direct_bytes, self.call_s, self.n_calls = 0, 0.0, 0
-        self.ahead_s, self.ahead_runs = 0.0, 0
+        self.ahead_s = 0.0
         return out
 
     @ray.method(concurrency_group="control")

@@ -388,8 +388,7 @@ class ModelWorker:
         if self.live is not None:
             self.live.extend(sid)
 
-    # ---- target side -------------------------------------------------------------------------
-    # ---- looking ahead: the next plain decoding step, run while the caller handles this one ----------
+    # ---- target side (looking ahead: the next plain decoding step, run while the caller handles this one) ----
     @torch.inference_mode()
     def look_ahead(self, seq_ids: list[str]) -> bool:
         """Run the next plain decoding step (k = 0, no chunks) of seq_ids now, keeping what undoes it, so that a
