@@ -478,8 +478,10 @@ class RemoteWorker:
         """Any ModelWorker method by name (the Router's history exchange)."""
         return self._call(method, *args)
 
-    def configure_kv(self, block_size, max_blocks, prefix_caching, attention_backend="auto", preallocate=False):
-        return self._call("configure_kv", block_size, max_blocks, prefix_caching, attention_backend, preallocate)
+    def configure_kv(self, block_size, max_blocks, prefix_caching, attention_backend="auto", preallocate=False,
+                     static_steps="auto"):
+        return self._call("configure_kv", block_size, max_blocks, prefix_caching, attention_backend, preallocate,
+                          static_steps)
 
     def kv_room(self, utilization, probe_tokens, share=None, memory=None):
         # share None: the actor's own GPU count (below 1 when it shares its GPU with the other role)

@@ -577,13 +577,17 @@ def _batching_args(p: argparse.ArgumentParser) -> None:
                         "a profiling forward leave, up to --max-num-tokens (default %(default)s)")
     p.add_argument("--attention-backend", default=field["attention_backend"].default, choices=["auto", "gather", "flex"],
                    help="how attention reads the paged KV pool (default %(default)s: gather on a CPU, flex on CUDA)")
+    p.add_argument("--static-steps", default=field["static_steps"].default, choices=["auto", "graphs", "eager", "off"],
+                   help="decoding and verification forwards at bucketed shapes, replayed as CUDA graphs (default "
+                        "%(default)s: graphs on CUDA with flex attention; off elsewhere)")
 
 
 def _batching_config(args) -> dict:
     """EngineConfig fields from the flags `_batching_args` adds."""
     return {"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_tokens": args.max_num_tokens,
             "block_size": args.block_size, "prefix_caching": args.prefix_caching,
-            "gpu_memory_utilization": args.gpu_memory_utilization, "attention_backend": args.attention_backend}
+            "gpu_memory_utilization": args.gpu_memory_utilization, "attention_backend": args.attention_backend,
+            "static_steps": args.static_steps}
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:

@@ -90,6 +90,13 @@ class EngineConfig(BaseModel):
     for SDPA (fastest on a CPU), `flex` runs torch's flex_attention on the pool in place (compiled on CUDA);
     `auto`: gather on a CPU, flex on CUDA when it passes a startup probe against gather, else gather."""
 
+    static_steps: str = Field("auto", pattern="^(auto|graphs|eager|off)$")
+    """Decoding and verification forwards (each row feeding at most 16 tokens, up to 128 rows) laid out at fixed
+    bucketed shapes in persistent buffers and, on CUDA, captured once per bucket as a graph and replayed
+    (`engine/static.py`): one launch for the forward's kernels instead of one each. `auto`: graphs on CUDA with the
+    flex backend, else off; `graphs`; `eager`: the buffers without capture (a CPU's tests; a GPU's A/B of capture
+    alone); `off`: every forward packed as it comes. Prefill chunks always run packed."""
+
     look_ahead: bool = False
     """A target in its own process (a Ray actor) runs the next plain decoding step while the Router streams the
     last one's tokens, when the next step is likely the same rows' again (no speculation, nothing waiting or

@@ -198,11 +198,75 @@ def load_draft_for_host(cfg: ModelConfig) -> tuple[nn.Module, object]:
     if spec == "none":
         raise ValueError("no draft is configured: a draft host has nothing to load")
     if draft_needs_target(spec):
+        from serve_app.drafting.eagle3_io import is_eagle3_dir
+
+        if is_eagle3_dir(spec):  # an EAGLE-3 head reads the target's embedding table, nothing else of it
+            tokenizer = load_tokenizer(cfg.target)
+            return load_draft(spec, load_target_embeddings(cfg.target, cfg.dtype, cfg.device), tokenizer), tokenizer
         target, tokenizer, _ = load_target(cfg.target, cfg.dtype, cfg.device)
         return load_draft(spec, target, tokenizer, cfg.dtype, cfg.device), tokenizer
     tokenizer = load_tokenizer(cfg.target)  # the pad id, and the vocabulary a separate draft must share
     config = None if spec == "ngram" else load_target_config(cfg.target)
     return load_draft(spec, config, tokenizer, cfg.dtype, cfg.device), tokenizer
+
+
+EMBEDDING_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight", "lm_head.weight")
+"""Where a checkpoint keeps a Llama-style target's input embeddings (a tied one may keep only its head)."""
+
+
+def load_target_embeddings(spec: str, dtype: str = "float32", device: str = "cpu") -> nn.Module:
+    """The target as a draft that reads only its token embeddings needs it (an EAGLE-3 head in an actor of its
+    own): the target's class and config with every weight on the meta device (no memory) but the input embeddings,
+    read alone from its safetensors (for a hub id, the one file holding them). At 8B that is 1 GB instead of a
+    second 16 GB copy on the draft's GPU. A target stored otherwise (a .gguf, .bin files) is loaded whole."""
+    from transformers import AutoModelForCausalLM
+
+    src = embedded_source() if spec == EMBEDDED else spec
+    table = None if src.endswith(".gguf") else _read_embeddings(src)
+    if table is None:
+        log.info("target %s: no safetensors to read its embeddings from; loading it whole for its draft", spec)
+        return load_target(spec, dtype, device)[0]
+    kwargs = _load_kwargs(src, dtype, device)
+    with torch.device("meta"):
+        shell = AutoModelForCausalLM.from_config(load_target_config(spec), dtype=kwargs["dtype"],
+                                                 attn_implementation="sdpa")
+    place = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    shell.set_input_embeddings(nn.Embedding.from_pretrained(table.to(place, kwargs["dtype"]), freeze=True))
+    return widened(shell, place).eval()
+
+
+def _read_embeddings(src: str) -> torch.Tensor | None:
+    """The input embeddings of a local or hub checkpoint in safetensors, read alone; None without safetensors."""
+    import json
+
+    from safetensors import safe_open
+
+    def fetch(name: str) -> str | None:
+        if os.path.isdir(src):
+            path = os.path.join(src, name)
+            return path if os.path.isfile(path) else None
+        from huggingface_hub import hf_hub_download
+
+        try:
+            return hf_hub_download(src, name)
+        except Exception:  # noqa: BLE001 - a missing file (or repo) means: not stored this way
+            return None
+
+    index = fetch("model.safetensors.index.json")
+    if index is not None:
+        where = json.loads(Path(index).read_text())["weight_map"]
+        name = next((n for n in EMBEDDING_NAMES if n in where), None)
+        files = {name: fetch(where[name])} if name else {}
+    else:
+        single = fetch("model.safetensors")
+        files = {n: single for n in EMBEDDING_NAMES} if single else {}
+    for name, path in files.items():
+        if path is None:
+            continue
+        with safe_open(path, framework="pt", device="cpu") as f:
+            if name in f.keys():
+                return f.get_tensor(name)
+    return None
 
 
 def draft_spec(cfg: ModelConfig) -> str:

@@ -39,3 +39,19 @@ def test_the_probed_forward_is_the_workers_forward():
     own = worker._forward(sids, fed, torch.arange(6))
     assert probed.shape == own.shape == (6, models.target.config.vocab_size)
     torch.testing.assert_close(probed, own)
+
+
+def test_the_dry_run_pairs_static_steps_on_against_off_where_attention_is_flex(monkeypatch):
+    """With flex attention the step pass also times static steps on against off (eager on a CPU: no capture),
+    alternating, and reports the paired ratio; with gather (a CPU's default) there is nothing to pair."""
+    models, _ = random_models("tiny-128k:2", 1, "cpu", "float32")
+    res = probe_graphs(models, [2], [0], context=20, steps=2, reps=1)
+    assert res["batches"][0]["steps"][0]["static"] is None
+    monkeypatch.setenv("SPECSERVE_ATTENTION_BACKEND", "flex")
+    res = probe_graphs(models, [2], [0, 2], context=20, steps=3, reps=1)
+    for s in res["batches"][0]["steps"]:
+        a = s["static"]
+        assert a["on_ms"] > 0 and a["off_ms"] > 0 and a["off_over_on"]["rounds"] == 3, a
+        assert a["captured"] is False and a["graphs"] == 0 and a["replays"] == 0
+    md = graphs_markdown({**res, "device": "cpu"}, "tiny")
+    assert "## Static steps on against off" in md and "| 2 | 2 |" in md

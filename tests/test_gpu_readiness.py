@@ -182,6 +182,31 @@ def test_a_separate_draft_is_hosted_without_the_targets_weights(no_target_weight
         models.load_draft_for_host(ModelConfig(target=tiny_model_dirs["target"], draft=tiny_model_dirs["other_vocab"]))
 
 
+def test_an_eagle3_draft_is_hosted_with_the_targets_embeddings_alone(monkeypatch, tmp_path):
+    """An EAGLE-3 head reads the target's embedding table and nothing else of it: its host reads that one tensor
+    from the target's safetensors (the rest of the target stays on the meta device) and builds the same draft as
+    from the whole target; the embedded default pair too."""
+    from serve_app.bench.shapes import SHAPES, random_eagle3, random_llama, save_eagle3_dir, save_model_dir, vocab_tokenizer
+    from serve_app.config import EMBEDDED
+
+    target = random_llama(SHAPES["tiny-128k"], 2)
+    tdir, edir = save_model_dir(target, vocab_tokenizer(128256), tmp_path / "t"), tmp_path / "e"
+    save_eagle3_dir(random_eagle3(target), target, edir)
+    cfg = ModelConfig(target=tdir, draft=str(edir), dtype="float32")
+    whole = models.load_draft(str(edir), models.load_target(tdir, "float32")[0], None).state_dict()
+    shell = models.load_target_embeddings(tdir)
+    assert [n for n, p in shell.named_parameters() if not p.is_meta] == ["model.embed_tokens.weight"]
+    monkeypatch.setattr(models, "load_target", lambda *a, **k: pytest.fail("the whole target was loaded"))
+    monkeypatch.setattr(models, "_from_pretrained", lambda *a, **k: pytest.fail("the whole target was loaded"))
+    draft, tokenizer = models.load_draft_for_host(cfg)
+    own = draft.state_dict()
+    assert own.keys() == whole.keys() and all(torch.equal(own[k], whole[k]) for k in own)
+    assert torch.equal(draft.embed_tokens.weight, target.get_input_embeddings().weight) and len(tokenizer) == 128256
+    draft, _ = models.load_draft_for_host(ModelConfig(target=EMBEDDED))  # the committed head of the embedded target
+    assert isinstance(draft, Eagle3Draft) and draft.embed_tokens.weight.shape == (49152, 576)
+    assert not any(p.is_meta for p in draft.parameters())
+
+
 def test_the_vocabulary_size_is_checked_against_the_targets_config(tiny_model_dirs):
     config = models.load_target_config(tiny_model_dirs["target"])
     tokenizer = models.load_tokenizer(tiny_model_dirs["target"])

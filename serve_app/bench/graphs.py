@@ -24,11 +24,11 @@ import gc
 import random
 import statistics
 import time
-from contextlib import contextmanager
 
 import torch
 from tqdm import tqdm
 
+from serve_app.bench.rounds import fmt_paired
 from serve_app.config import SamplingParams
 from serve_app.engine.kv import pack
 from serve_app.engine.policy import FixedK
@@ -70,23 +70,6 @@ def device_busy(fn, n: int, device: torch.device) -> tuple[float | None, float |
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     busy_us = sum(e.time_range.elapsed_us() for e in kernels)
     return round(busy_us / 1000 / n, 3), round(len(kernels) / n, 1)
-
-
-@contextmanager
-def counting_synchronize():
-    """Counts `torch.cuda.synchronize` calls while active (the workers look it up at each call)."""
-    calls = [0]
-    real = torch.cuda.synchronize
-
-    def counted(*a, **kw):
-        calls[0] += 1
-        return real(*a, **kw)
-
-    torch.cuda.synchronize = counted
-    try:
-        yield calls
-    finally:
-        torch.cuda.synchronize = real
 
 
 def _forward_fn(worker, fed: list[list[int]]):
@@ -153,18 +136,55 @@ def probe_steps(engine, k: int, steps: int, device: torch.device) -> dict:
             walls.append((time.perf_counter() - t0) * 1000)
         kept = seen[-steps:]
         # counted apart: the counter sees every torch call in Python, which would slow the timed steps
-        with SyncCounter(device) as reads, counting_synchronize() as syncs:
+        with SyncCounter(device) as counted:  # reads of device values, and waits (`synchronize`)
             for _ in range(2):
                 engine.step()
+        waits = sum(n for (name, _, _), n in counted.sites.items() if name == "synchronize")
         row = {"k": k, "wall_ms": round(statistics.median(walls), 3),
                "draft_ms": round(statistics.median(s.draft_s for s in kept) * 1000, 3),
                "verify_ms": round(statistics.median(s.verify_s for s in kept) * 1000, 3),
                "tokens_per_step": round(statistics.fmean(s.generated for s in kept), 2),
-               "reads_per_step": round(reads.total / 2, 1), "syncs_per_step": round(syncs[0] / 2, 1)}
+               "reads_per_step": round((counted.total - waits) / 2, 1), "syncs_per_step": round(waits / 2, 1)}
         row["busy_ms"], row["kernels"] = device_busy(engine.step, 2, device)
+        row["static"] = static_ab(engine, steps)
     finally:
         engine.on_step.remove(seen.append)
     return row
+
+
+def static_ab(engine, steps: int) -> dict | None:
+    """The engine's steps with static steps (`engine/static.py`: captured graphs on CUDA) against without, in
+    alternating pairs, order rotated: wall ms of each (medians) and off / on paired with its 95% interval. Workers
+    without them get eager ones where their attention is flex (a CPU's dry run); None where neither has flex."""
+    from serve_app.bench.rounds import paired_ratio
+    from serve_app.engine.static import StaticSteps
+
+    held = {w: w.static for w in (engine.target, engine.draft) if w is not None and hasattr(w, "static")}
+    fixed = {w: st or StaticSteps(w.device, capture=False) for w, st in held.items() if w.cache.attention == "flex"}
+    if not fixed:
+        return None
+
+    def step(on: bool) -> float:
+        for w, st in fixed.items():
+            w.static = st if on else None
+        t0 = time.perf_counter()
+        engine.step()
+        return (time.perf_counter() - t0) * 1000
+
+    walls: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for on in (True, False, True):  # each side's shapes first called (on: captured), not timed
+            step(on)
+        for i in range(steps):
+            for on in ((True, False) if i % 2 else (False, True)):
+                walls[on].append(step(on))
+    finally:
+        for w, st in held.items():
+            w.static = st
+    ab = paired_ratio(walls[False], walls[True])
+    st = next(iter(fixed.values()))
+    return {"on_ms": round(statistics.median(walls[True]), 3), "off_ms": round(statistics.median(walls[False]), 3),
+            "off_over_on": ab, "captured": st.capture, "graphs": st.captured, "replays": st.replays}
 
 
 def probe_graphs(models, batch_sizes: list[int], ks: list[int], context: int, steps: int, reps: int,
@@ -224,6 +244,14 @@ def graphs_markdown(res: dict, label: str) -> str:
             lines.append(f"| {e['batch']} | {s['k']} | {s['wall_ms']} | {s['draft_ms']} | {s['verify_ms']} | "
                          f"{f(s['busy_ms'])} | {share} | {f(s['kernels'])} | {s['tokens_per_step']} | "
                          f"{s['reads_per_step']} | {s['syncs_per_step']} |")
+    lines += ["", "## Static steps on against off (`static_steps`: captured graphs on CUDA; eager on a CPU)", "",
+              "| batch | k | on ms | off ms | off / on, paired | captured | graphs | replays |", "|---|---|---|---|---|---|---|---|"]
+    for e in res["batches"]:
+        for s in e.get("steps", []):
+            a = s.get("static")
+            if a:
+                lines.append(f"| {e['batch']} | {s['k']} | {a['on_ms']} | {a['off_ms']} | {fmt_paired(a['off_over_on'])} | "
+                             f"{a['captured']} | {a['graphs']} | {a['replays']} |")
     lines += ["", "## One forward, eager against captured by hand", "",
               "| batch | role | tokens per row | eager ms | device busy ms | kernels | graph replay ms | eager / graph "
               "| same argmax | max abs diff |", "|---|---|---|---|---|---|---|---|---|---|"]

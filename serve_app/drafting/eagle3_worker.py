@@ -12,7 +12,6 @@ them arrive, the next proposal recomputes them, so nothing is ever rolled back o
 
 from __future__ import annotations
 
-import time
 
 import torch
 
@@ -67,9 +66,9 @@ class EagleWorker(ModelWorker):
                 s.extra["features"] = [have[n:]] if len(have) > n else []
         if not rows:
             return
-        t0 = time.perf_counter()
+        t0 = self.clock.start()
         fused = self.model.fuse(torch.cat(feats).to(self.device))  # [T, H], packed like the fed tokens
-        self.timings["forward_s"] += time.perf_counter() - t0
+        self.clock.stop("forward_s", t0, self.timings)
         self._step(rows, fed, [self.seqs[sid].kv_len for sid in rows], fused, 1)
         for sid, f in zip(rows, fed):
             self.seqs[sid].kv_len += len(f)
@@ -106,10 +105,9 @@ class EagleWorker(ModelWorker):
             if len(f) != len(ids):  # an invariant of commit/verify; say so plainly if it ever breaks
                 raise RuntimeError(f"draft holds {len(f)} target features for {len(ids)} new positions")
         window = backlog_window(fed, k)
-        t0 = time.perf_counter()  # the fc over every row's new features in one matmul: model work, timed so
+        t0 = self.clock.start()  # the fc over every row's new features in one matmul: model work, timed so
         fused = self.model.fuse(torch.cat(feats).to(self.device))  # [T, H]: packed, like the fed tokens
-        self._sync()
-        self.timings["forward_s"] += time.perf_counter() - t0
+        self.clock.stop("forward_s", t0, self.timings)
         logits, state, small = self._step(seq_ids, fed, [s.kv_len for s in seqs], fused, window)
         backlog = self._timed(_backlog_agreement, seqs, fed, logits) if window > 1 else (0, 0)
         for s, n in zip(seqs, lens):
@@ -133,7 +131,7 @@ class EagleWorker(ModelWorker):
         """One packed forward of the draft layer: row b feeds fed[b] at positions starts[b], ... with
         hidden [T, H] (packed the same way). Returns (logits [B, keep, V], state [B, keep, H], logits over the
         draft's own vocabulary [B, keep, N]) of each row's last `keep` fed positions."""
-        t0 = time.perf_counter()
+        t0 = self.clock.start()
         index = self._last(fed, keep).to(self.device)  # [B, keep]
         ids, pos, batch = pack(self.cache, seq_ids, fed, starts, self.device)
         self.cache.batch = batch
@@ -146,8 +144,7 @@ class EagleWorker(ModelWorker):
         self.cache.batch = None
         small = self.model.reduced_logits(state)
         logits = self.model.spread(small)
-        self._sync()
-        self.timings["forward_s"] += time.perf_counter() - t0
+        self.clock.stop("forward_s", t0, self.timings)
         return logits, state, small
 
     def info(self) -> dict:

@@ -85,7 +85,7 @@ class NgramWorker:
         return [0] * len(seq_ids)
 
     def configure_kv(self, block_size: int = 16, max_blocks: int = 4096, prefix_caching: bool = True,
-                     attention_backend: str = "auto", preallocate: bool = False) -> str:
+                     attention_backend: str = "auto", preallocate: bool = False, static_steps: str = "auto") -> str:
         """No KV to configure: the n-gram draft holds token indexes only."""
         return "none"
 

@@ -219,19 +219,26 @@ class FlexLayout:
         if self.mask is None:
             from torch.nn.attention.flex_attention import BlockMask
 
-            bs, tables, block_pos, q_pos, q_row = self.block_size, self.tables, self.block_pos, self.q_pos, self.q_row
-
-            def mask_mod(b, h, qi, ki):  # a key is seen by a query of the row holding its block, at or before it
-                blk = ki // bs
-                j = block_pos[blk]  # < tables' width: block_pos holds only this forward's table indices
-                return (tables[q_row[qi], j] == blk) & (j * bs + ki % bs <= q_pos[qi])
-
             tiles, width = self.tile_tables.shape
             kv_idx = torch.zeros((tiles, self.pool_blocks), dtype=torch.int32, device=self.tile_tables.device)
             kv_idx[:, :width] = self.tile_tables
-            self.mask = BlockMask.from_kv_blocks(self.kv_num_blocks[None, None], kv_idx[None, None], BLOCK_SIZE=(TILE, bs),
-                                                 mask_mod=mask_mod, seq_lengths=(self.pad_index.shape[0], slots))
+            self.mask = BlockMask.from_kv_blocks(self.kv_num_blocks[None, None], kv_idx[None, None],
+                                                 BLOCK_SIZE=(TILE, self.block_size), mask_mod=self.mask_mod(),
+                                                 seq_lengths=(self.pad_index.shape[0], slots))
         return self.mask
+
+    def mask_mod(self):
+        """flex_attention's mask_mod over this layout's tensors (read where they are: a static step's are
+        rewritten in place each step): a key is seen by a query of the row whose table holds the key's block,
+        at or before the query's position."""
+        bs, tables, block_pos, q_pos, q_row = self.block_size, self.tables, self.block_pos, self.q_pos, self.q_row
+
+        def mask_mod(b, h, qi, ki):
+            blk = ki // bs
+            j = block_pos[blk]  # < tables' width: block_pos holds table indices only
+            return (tables[q_row[qi], j] == blk) & (j * bs + ki % bs <= q_pos[qi])
+
+        return mask_mod
 
 
 def flex_layout(rows: list[Row], pos: torch.Tensor, block_size: int, pool_blocks: int) -> FlexLayout:

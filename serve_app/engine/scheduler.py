@@ -160,7 +160,7 @@ class Engine:
             log.info("KV pool: %d tokens per worker (from %s)", tokens, self.kv_pool["from"])
         for w in workers:
             chosen = w.configure_kv(c.block_size, self.kv_pool["tokens"] // c.block_size + 1, c.prefix_caching,
-                                    c.attention_backend, bool(self.kv_pool["rooms"]))
+                                    c.attention_backend, bool(self.kv_pool["rooms"]), c.static_steps)
             if w is self.target:
                 self.kv_pool["attention"] = chosen
 
@@ -363,7 +363,7 @@ class Engine:
         model's proposal for rows `drafting` (the policy's part of the step); `predicted`: the other rows'
         tokens from their predicted outputs."""
         num_accepted, next_tokens = verdict.num_accepted[: len(ids)], verdict.next_tokens[: len(ids)]
-        new = [d[:n] + [nt] for d, n, nt in zip(proposal.tokens.tolist(), num_accepted, next_tokens)]
+        new = [d[:n] + [nt] for d, n, nt in zip(proposal.token_rows(), num_accepted, next_tokens)]
         if self.draft is not None:
             t = time.perf_counter()
             self.draft.commit(ids, new, features)

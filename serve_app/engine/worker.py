@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -33,7 +32,9 @@ from serve_app.models import held_dtype
 from serve_app.engine.controls import Controls, has_controls
 from serve_app.engine.draftplan import DraftPlan, PlanWalk
 from serve_app.engine.grammar import Guide
-from serve_app.engine import allocator, attention, lean, packing
+from serve_app.engine import allocator, attention, lean, packing, static
+from serve_app.engine.static import StaticSteps
+from serve_app.engine.syncs import WorkClock
 from serve_app.engine.kv import (ATTENTION, PagedKV, attention_layers, cuda_memory, kv_bytes_per_token, kv_pool_tokens,
                                 pack)
 from serve_app.engine.history import PROMPT_TAIL, LiveOutputs, SuffixHistory, history_estimate
@@ -73,6 +74,7 @@ class Proposal:
     forwards: int = 0
     """Draft forwards this proposal ran (the first over every row, later ones over the rows still drafting): what
     its draft time is priced by. Rows that copy run none; a plan that kept nothing still ran its first."""
+    _rows: list | None = field(default=None, repr=False, compare=False)  # tokens as host lists, once read
 
     @classmethod
     def empty(cls, rows: int) -> "Proposal":
@@ -83,9 +85,15 @@ class Proposal:
         """Tokens drafted per row."""
         return list(self.lengths) if self.lengths is not None else [self.tokens.shape[1]] * self.tokens.shape[0]
 
+    def token_rows(self) -> list[list[int]]:
+        """tokens [B, k] as host lists, padding included: read once, then kept (a proposal is never changed)."""
+        if self._rows is None:
+            self._rows = self.tokens.tolist()
+        return self._rows
+
     def drafts(self) -> list[list[int]]:
         """Each row's drafted tokens, without padding."""
-        return [d[:n] for d, n in zip(self.tokens.tolist(), self.row_lengths())]
+        return [d[:n] for d, n in zip(self.token_rows(), self.row_lengths())]
 
 
 class Verdict(NamedTuple):
@@ -157,6 +165,7 @@ class ModelWorker:
         # batch's numbers come from one call, not one per row; seeded rows draw from their seed's noise instead
         self.rng = torch.Generator().manual_seed(random.getrandbits(63))
         self.timings = new_timings()
+        self.clock = WorkClock(self.device)  # device time without a wait per forward (events on CUDA)
         self.head = plain_head(model)
         self.lean = lean.supports(model)
         """Forwards run `lean.forward` (a stock Llama decoder) instead of transformers' wrapped one."""
@@ -176,24 +185,33 @@ class ModelWorker:
         self.ahead: tuple | None = None
         """A step looked ahead (`look_ahead`): (its rows, its Verdict or None while it runs, what undoes it)."""
         self.ahead_used = 0  # looked-ahead steps a verification was answered with
+        self.one_pass = self.device.type == "cuda"
+        """A batch of plain greedy rows is accepted in one vectorized pass (`_greedy_pass`: every position's logits
+        in one pass over the output projection, one read-back) instead of the walk's read per position: on a GPU,
+        where each read stalls the stream and the projection's cost is its weights, not its rows."""
+        self.static: StaticSteps | None = None
+        """Decoding and verification forwards at bucketed shapes, replayed as CUDA graphs (`configure_kv`)."""
 
     def take_timings(self) -> dict:
         """Device work since the last call (forwards; vocabulary-sized math beside them) and the bytes
         handed to another actor directly; resets them. Benchmarks read these to split a step."""
+        self.clock.settle(self.timings)
         out, self.timings = self.timings, new_timings()
         return out
 
     # ---- lifecycle -------------------------------------------------------------------------
     def configure_kv(self, block_size: int = 16, max_blocks: int = 4096, prefix_caching: bool = True,
-                     attention_backend: str = "auto", preallocate: bool = False) -> str:
+                     attention_backend: str = "auto", preallocate: bool = False, static_steps: str = "auto") -> str:
         """Set the KV pool's block size, its limit in blocks, prefix caching and attention backend (before any
-        sequence); preallocate: take all its blocks now (a pool sized from device memory). Returns the
-        attention backend chosen (`auto` resolved for this device)."""
+        sequence); preallocate: take all its blocks now (a pool sized from device memory); static_steps: whether
+        decoding and verification forwards run from bucketed buffers, captured as CUDA graphs (`engine/static.py`,
+        `EngineConfig.static_steps`). Returns the attention backend chosen (`auto` resolved for this device)."""
         if self.seqs:
             raise RuntimeError(f"{self.role}: configure the KV cache before adding sequences")
         backend = attention.choose(attention_backend, self.device, block_size)
         self.cache = PagedKV(block_size, max_blocks, prefix_caching and self.shares_prefixes(), backend, preallocate)
         self.kept = None
+        self.static = static.resolve(static_steps, self.device, backend)
         return backend
 
     def kv_room(self, utilization: float, probe_tokens: int, share: float = 1.0, memory=None) -> int | None:
@@ -343,6 +361,9 @@ class ModelWorker:
         drafting = Drafting(self, seqs, k, lens)
         backlog = (0, 0)
         window = backlog_window(fed, k)
+        if self.one_pass and isinstance(k, int) and k > 0 and not drafting.copyable \
+                and all(s.params.greedy and not _steered(s) for s in seqs):
+            return self._propose_greedy(seq_ids, seqs, fed, lens, k, window)
         forwards = [0] * len(seqs)  # per row: the forwards that fed it
         j = 0
         while drafting.more:
@@ -361,6 +382,27 @@ class ModelWorker:
         for s, n, f in zip(seqs, lens, forwards):  # the KV holds the pending tokens and what later forwards fed
             s.proposal_kv = n + f - 1 if f else -1
         return drafting.proposal(backlog)  # its KV keeps what the model drafted: no token is scored twice
+
+    def _propose_greedy(self, seq_ids: list[str], seqs: list[Sequence], fed: list[list[int]], lens: list[int], k: int,
+                        window: int) -> Proposal:
+        """`propose` for k positions of plain greedy rows (no plan, no copies): each position's tokens stay on the
+        device and feed the next forward, read back once at the end (the loop above reads each position's)."""
+        logits = self._forward(seq_ids, fed, window, starts=[n - len(f) for n, f in zip(lens, fed)])
+        guessed = self._timed(backlog_guesses, logits)  # [B, window - 1] on the device
+        drawn = []
+        for j in range(k):
+            drawn.append(self._timed(argmax, logits[:, -1]))  # [B] on the device
+            if j + 1 < k:
+                logits = self._forward(seq_ids, [[self.pad_id]] * len(seqs), 1, starts=[n + j for n in lens],
+                                       ids=drawn[-1])
+        for s, n in zip(seqs, lens):
+            s.proposal_kv = n + k - 1
+        host = torch.cat([torch.stack(drawn, 1), guessed], 1).cpu()  # the one read: drafts and backlog guesses
+        rows = host.tolist()
+        backlog = _backlog_matches(seqs, fed, window, [r[k:] for r in rows]) if window > 1 else (0, 0)
+        out = Proposal(host[:, :k], backlog=backlog, _rows=[r[:k] for r in rows])
+        out.forwards = k
+        return out
 
     def commit(self, seq_ids: list[str], new_tokens: list[list[int]], features: list[torch.Tensor] | None = None) -> None:
         """Append each sequence's accepted drafts + target token; keep only KV that is still valid.
@@ -451,9 +493,10 @@ class ModelWorker:
                             hidden=self.head is not None)
         out, cout = out[: index.numel()].unflatten(0, index.shape), out[index.numel():][:, None]
         # logits [B, k+1, V] on demand: most rows stop at their first rejection
-        logits = LazyLogits(self.head, out, self._sync, proposal.lengths) if self.head is not None else out
-        clogits = LazyLogits(self.head, cout, self._sync) if self.head is not None else cout
-        t0 = time.perf_counter()
+        timer = (self.clock, self.timings)
+        logits = LazyLogits(self.head, out, timer, proposal.lengths) if self.head is not None else out
+        clogits = LazyLogits(self.head, cout, timer) if self.head is not None else cout
+        t0 = self.clock.start()
         num_acc, next_tok = self._decide(seqs, lens, logits, proposal)
         done_seqs = [cseqs[b] for b in done]
         first = self._decide(done_seqs, [len(s.tokens) for s in done_seqs], clogits, Proposal.empty(len(done)))[1]
@@ -485,10 +528,7 @@ class ModelWorker:
             logprobs = (logprobs or [None] * len(seqs)) + [None] * len(cseqs)
             for i, b in enumerate(done):
                 logprobs[len(seqs) + b] = clp[i] if clp is not None else None
-        self._sync()
-        head_s = sum(x.seconds for x in (logits, clogits) if isinstance(x, LazyLogits))
-        self.timings["forward_s"] += head_s  # the output projection is the model's work
-        self.timings["sample_s"] += time.perf_counter() - t0 - head_s
+        self.clock.stop("sample_s", t0, self.timings)  # less the output projection's spans ("head": model work)
         return Verdict(num_acc + [0] * len(cseqs), next_tok + cnext, features, logprobs)
 
     def _decide(self, seqs: list[Sequence], lens: list[int], logits, proposal: Proposal) -> tuple[list, list]:
@@ -498,6 +538,8 @@ class ModelWorker:
         dev = self.device
         k = proposal.tokens.shape[1]
         bsz = len(seqs)
+        if self.one_pass and all(s.params.greedy and not _steered(s) for s in seqs):
+            return _greedy_pass(logits, proposal)
         greedy = torch.tensor([s.params.greedy for s in seqs], device=dev)
         seeded = torch.tensor([_coupled(s) for s in seqs], device=dev)
         # Per row and position: a seeded row's noise key comes from (seed, position); an unseeded sampled
@@ -632,10 +674,11 @@ class ModelWorker:
 
     @torch.inference_mode()
     def _forward(self, seq_ids: list[str], fed: list[list[int]], index: torch.Tensor | int,
-                 starts: list[int] | None = None, hidden: bool = False) -> torch.Tensor:
+                 starts: list[int] | None = None, hidden: bool = False, ids: torch.Tensor | None = None) -> torch.Tensor:
         """One packed forward of every row's fed tokens (row b at positions starts[b], ... ; default its
         kv_len). index: which packed tokens' outputs to return ([N], or int keep: each row's last keep,
-        shaped [B, keep, ...]); logits [N, V], or with hidden the last hidden states [N, H]."""
+        shaped [B, keep, ...]); logits [N, V], or with hidden the last hidden states [N, H]. ids [B] on the
+        device: the tokens fed, one per row (fed then holds placeholders), so they need not be read back."""
         seqs = [self.seqs[s] for s in seq_ids]
         if starts is None:
             starts = [s.kv_len for s in seqs]
@@ -644,11 +687,23 @@ class ModelWorker:
             index = self._last(fed, index)
             shape = index.shape
             index = index.flatten()
-        t0 = time.perf_counter()
-        ids, pos, batch = pack(self.cache, seq_ids, fed, starts, self.device)
-        out = self._packed(ids, pos, batch, index.to(self.device), hidden)
-        self._sync()
-        self.timings["forward_s"] += time.perf_counter() - t0
+        t0 = self.clock.start()
+        key = self.static.key(fed) if self.static is not None and not self.feature_layers \
+            and (hidden or self.head is not None) else None
+        if key is None:
+            packed_ids, pos, batch = pack(self.cache, seq_ids, fed, starts, self.device)
+            if ids is not None:
+                packed_ids = ids[None]
+            out = self._packed(packed_ids, pos, batch, index.to(self.device), hidden)
+        else:  # at its bucket's fixed shape: replayed from a graph on CUDA; its outputs at the packed tokens'
+            fixed, where = self.static.fill(self.cache, seq_ids, fed, starts, key, self.pad_id)
+            if ids is not None:
+                fixed.ids[0].view(key)[: len(ids), 0].copy_(ids)
+            run = lambda ids, pos, batch, every: self._packed(ids, pos, batch, every, hidden=True)  # noqa: E731
+            out = self.static.run(run, fixed, self.cache, key)[where[index].to(self.device)]
+            if not hidden:
+                out = self.head(out)
+        self.clock.stop("forward_s", t0, self.timings)
         return out if shape is None else out.unflatten(0, shape)
 
     @torch.inference_mode()
@@ -675,18 +730,12 @@ class ModelWorker:
         self.cache.batch = None
         return out
 
-    def _sync(self) -> None:
-        """Wait for the device, so timings measure work done, not work queued."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def _timed(self, fn, *args):
         """Run vocabulary-sized work beside a forward and count it as such."""
-        t0 = time.perf_counter()
+        t0 = self.clock.start()
         with denormals_flushed(self.flush_denormals):
             out = fn(*args)
-        self._sync()
-        self.timings["sample_s"] += time.perf_counter() - t0
+        self.clock.stop("sample_s", t0, self.timings)
         return out
 
     def _drawer(self, seqs: list[Sequence], conf: bool = False):
@@ -797,18 +846,18 @@ class LazyLogits:
     matrix of the model). Most rows of a large batch stop at their first rejection; a row that drafted
     fewer tokens than the longest costs only its own positions."""
 
-    def __init__(self, head: torch.nn.Module, hidden: torch.Tensor, sync,  # hidden [B, k+1, H]
+    def __init__(self, head: torch.nn.Module, hidden: torch.Tensor, timer: tuple,  # hidden [B, k+1, H]
                  lengths: list[int] | None = None):  # [B] tokens each row drafted (None: all k)
-        self.head, self.hidden, self.sync = head, hidden, sync
+        self.head, self.hidden = head, hidden
+        self.clock, self.timings = timer  # the worker's WorkClock and timings: each pass is a "head" span
         k = hidden.shape[1] - 1
         self.lengths = torch.tensor(lengths if lengths is not None else [k] * hidden.shape[0], device=hidden.device)
         self.rest: torch.Tensor | None = None  # [P, V]: positions 1.. of rows rest_rows, packed
         self.rest_rows: torch.Tensor | None = None
         self.slot: torch.Tensor | None = None  # [A1, k]: row i's position j + 1 is rest[slot[i, j]]
-        self.seconds = 0.0
 
     def __call__(self, rows: torch.Tensor, j: int) -> torch.Tensor:  # rows [A] ascending -> [A, V]
-        t0 = time.perf_counter()
+        t0 = self.clock.start()
         if j == 0:
             out = self._head(self.hidden[:, 0].index_select(0, rows))
         else:
@@ -822,8 +871,14 @@ class LazyLogits:
                 self.rest_rows = rows
             at = self.slot[torch.searchsorted(self.rest_rows, rows), j - 1]
             out = self.rest.index_select(0, at)
-        self.sync()
-        self.seconds += time.perf_counter() - t0
+        self.clock.stop("head", t0, self.timings)
+        return out
+
+    def all(self) -> torch.Tensor:  # -> [B, k+1, V]
+        """Every position's logits in one pass over the output projection (`_greedy_pass`)."""
+        t0 = self.clock.start()
+        out = self._head(self.hidden)
+        self.clock.stop("head", t0, self.timings)
         return out
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V]
@@ -832,11 +887,27 @@ class LazyLogits:
         return self.head(x.reshape(-1, x.shape[-1]).contiguous()).view(*x.shape[:-1], -1)
 
     def rows(self, rows: torch.Tensor, width: int) -> torch.Tensor:  # [R] -> [R, width, V] (logprobs)
-        t0 = time.perf_counter()
+        t0 = self.clock.start()
         out = self._head(self.hidden.index_select(0, rows)[:, :width])
-        self.sync()
-        self.seconds += time.perf_counter() - t0
+        self.clock.stop("head", t0, self.timings)
         return out
+
+
+def _greedy_pass(logits, proposal: "Proposal") -> tuple[list, list]:
+    """Acceptance of plain greedy rows in one pass: each position's argmax, the drafts accepted while they equal
+    it (up to each row's length), the next token the argmax after the last accepted; one read-back. The walk's
+    verdicts, from the same logits (`verify_walk`)."""
+    full = logits.all() if isinstance(logits, LazyLogits) else logits  # [B, k+1, V]
+    bsz, width = full.shape[:2]
+    k = width - 1
+    token = argmax(full.reshape(bsz * width, -1)).view(bsz, width)
+    drafts = proposal.tokens.to(token.device)
+    lengths = torch.tensor(proposal.row_lengths(), device=token.device)
+    agree = (token[:, :k] == drafts) & (torch.arange(k, device=token.device) < lengths[:, None])  # [B, k]
+    num = agree.long().cumprod(dim=1).sum(dim=1)
+    nxt = token.gather(1, num[:, None]).squeeze(1)
+    num_acc, next_tok = torch.stack([num, nxt]).tolist()
+    return num_acc, next_tok
 
 
 def confidence(logits: torch.Tensor, top: torch.Tensor | None = None) -> list[float]:  # logits [B, V]
@@ -871,7 +942,16 @@ def _backlog_agreement(seqs: list[Sequence], fed: list[list[int]], logits: torch
     through `mark_verified`).
     """
     w = logits.shape[1]
-    pred = logits[:, :-1].max(dim=-1).indices.tolist() if w > 1 else [[] for _ in seqs]  # [B, W-1]
+    return _backlog_matches(seqs, fed, w, backlog_guesses(logits).tolist())
+
+
+def backlog_guesses(logits: torch.Tensor) -> torch.Tensor:  # [B, W, V] -> [B, W-1] long
+    """The draft's greedy prediction after each of the first W - 1 positions of its backlog window."""
+    return logits[:, :-1].max(dim=-1).indices
+
+
+def _backlog_matches(seqs: list[Sequence], fed: list[list[int]], w: int, pred: list[list[int]]) -> tuple[int, int]:
+    """`_backlog_agreement` from its predictions pred [B, W-1], read to the host."""
     checked = matched = 0
     for b, (s, f) in enumerate(zip(seqs, fed)):
         n = min(len(f), w)  # real tokens in the window; the rest is padding
