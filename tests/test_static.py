@@ -136,7 +136,7 @@ def test_host_work_per_static_step_does_not_grow_with_the_pool():
             st.fill(cache, sids, fed, starts, key, 0)
         assert 32 * 16 <= w.most <= 32 * 64, (tokens, w.most)
         shape = st.shapes[key]
-        assert shape.layout.mask is not None and st.kv_idx.shape == (32, tokens // 16)
+        assert shape.layout.mask is not None and st.kv_idx.shape == (BATCH_BUCKETS[-1], tokens // 16)
     with Written() as w:  # the contrast: what the packed path writes for the same step
         _, _, batch = pack(cache, sids, fed, starts, "cpu")
         batch.layout.block_mask(tokens)

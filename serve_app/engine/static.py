@@ -91,8 +91,10 @@ class StaticSteps:
         (and dropping every shape and graph over the old ones) only when one of those outgrows them."""
         if rows <= self.rows and table_width <= self.table_width and pool_blocks == self.pool_blocks:
             return
-        rows, table_width = max(rows, self.rows), max(table_width, self.table_width, 2)
-        table_width = 1 << (table_width - 1).bit_length()  # powers of two: a growing context reallocates rarely
+        # room for the largest bucket at once (a batch that grows would otherwise drop every graph captured for the
+        # smaller ones), tables of 64 blocks and up in powers of two (a growing context reallocates rarely)
+        rows, table_width = BATCH_BUCKETS[-1], max(table_width, self.table_width, 64)
+        table_width = 1 << (table_width - 1).bit_length()
         dev = self.device
         tokens = rows * WIDTH_BUCKETS[-1]
         self.ids_buf = torch.zeros((1, tokens), dtype=torch.long, device=dev)
