@@ -162,3 +162,27 @@ def test_the_mode_is_chosen_per_device_and_backend(monkeypatch):
     st = StaticSteps(cpu, capture=False)
     assert st.key([[1] * 17]) is None and st.key([[]]) is None and st.key([[1]] * 129) is None  # packed
     assert st.key([[1, 2], [3]]) == (2, 2) and st.key([[1] * 9] * 5) == (8, 12)
+
+
+@pytest.mark.slow  # ~20 s: torch.compile of flex_attention for two layouts (the slow tier runs it in CI)
+def test_compiled_flex_reads_a_static_steps_mask_as_the_packed_one(monkeypatch):
+    """flex_attention compiled (as on CUDA; here inductor's CPU kernel) over a bucket's persistent block mask, built
+    once without its query-side lists and rewritten in place step after step: the packed path's outputs, exactly."""
+    from serve_app.engine import attention
+
+    monkeypatch.setattr(attention, "COMPILE_FLEX", True)
+    rng = random.Random(5)
+    model = tiny_llama(97, layers=2, seed=3, dtype=torch.float32)
+    packed, fixed = flex_worker(model, "off"), flex_worker(model, "eager")
+    sids = [f"r{i}" for i in range(3)]
+    prompts = [[rng.randrange(1, 97) for _ in range(rng.randint(17, 40))] for _ in sids]
+    for w in (packed, fixed):
+        w.add(sids, prompts, [SamplingParams(max_tokens=8)] * 3)
+        w.prefill(sids)
+    lens = [len(p) for p in prompts]
+    for _ in range(3):  # the same bucket each step: its mask built once, its buffers rewritten
+        fed = [[rng.randrange(1, 97) for _ in range(n)] for n in (3, rng.choice([1, 2, 3]), rng.choice([1, 2]))]
+        a, b = packed._forward(sids, fed, 1, starts=lens), fixed._forward(sids, fed, 1, starts=lens)
+        assert torch.equal(a, b), (a - b).abs().max()
+        lens = [n + len(f) for n, f in zip(lens, fed)]
+    assert list(fixed.static.shapes) == [(4, 3)]
