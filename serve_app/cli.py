@@ -510,6 +510,10 @@ def _parser() -> argparse.ArgumentParser:
     pf.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="comma-separated batch sizes to measure")
     pf.add_argument("--max-k", type=int, default=8, help="measure k = 0 .. K")
     pf.add_argument("--reps", type=int, default=5, help="steps per (batch size, k) cell; the median is kept")
+    pf.add_argument("--agree", type=float, default=0.05,
+                    help="visit past --reps, up to --max-reps, until each cell's repeated visits agree within this "
+                         "(relative gap between the medians of alternate rounds); 0: exactly --reps")
+    pf.add_argument("--max-reps", type=int, default=None, help="most rounds a cell may take to agree (default 3 x --reps)")
     pf.add_argument("--prompts", type=int, default=16, help="prompts for the acceptance measurement")
     pf.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt for the acceptance measurement")
     pf.add_argument("--acceptance-only", action="store_true",
@@ -1162,6 +1166,8 @@ def _cmd_profile(args) -> int:
     sizes = sorted(set(int_list(args.batch_sizes, "--batch-sizes")))
     if not sizes or sizes[0] < 1 or not 1 <= args.max_k <= 32 or args.reps < 1 or args.prompts < 1 or args.max_tokens < 1:
         raise UsageError("need batch sizes >= 1, 1 <= --max-k <= 32, and --reps, --prompts, --max-tokens >= 1")
+    if args.agree < 0 or (args.max_reps is not None and args.max_reps < args.reps):
+        raise UsageError("--agree must be >= 0 and --max-reps at least --reps")
     if args.copy_ks == "auto":
         from serve_app.profiling.profiler import copy_ks_for
 
@@ -1224,7 +1230,8 @@ def _cmd_profile(args) -> int:
         print(f"acceptance of {path} measured again; its latency grid kept (confidence curve {profile.confidence_curve})")
     else:
         mc = ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
-        profile, path = run_profile(mc, args.out, sizes, args.max_k, args.reps, args.prompts, args.max_tokens, copy_ks)
+        profile, path = run_profile(mc, args.out, sizes, args.max_k, args.reps, args.prompts, args.max_tokens, copy_ks,
+                                    args.agree or None, args.max_reps or 3 * args.reps)
         print(f"profile for {profile.gpu_type} written to {path} (heatmap {path.with_suffix('.png')})")
     print(f"acceptance per position {profile.acceptance}, fitted rate {profile.acceptance_rate}")
     print("best k by batch size: " + ", ".join(f"{b}: {k}" for b, k in profile.best_k.items()))

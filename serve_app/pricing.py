@@ -69,6 +69,10 @@ class ContextGrid(BaseModel):
     alike contexts: `padded_context`)."""
     backend: str | None = None
     """The attention backend measured (`gather`, `flex`)."""
+    clock: Literal["wall", "events"] = "wall"
+    """How the draft and verification cells were timed: `wall`, the host's clock from call to return (on a CPU the
+    host is the device); `events`, the workers' CUDA events around their device work (`WorkClock`), so a step's
+    launch time the device hid behind its own work is not in them (`LatencyGrid` keeps the host's beside them)."""
     draft_excess: float = Field(1.0, gt=0)
     """What the draft's growth with context comes to on this machine, over this grid's (`scale`: a part at a context
     costs 1 + excess x (measured growth - 1) times its cell): set by calibration (`Calibration.context_factor`),
@@ -197,6 +201,19 @@ class LatencyGrid(BaseModel):
     line extends past ks[-1]."""
     copy_verify_ms: list[list[float]] | None = None
     """copy_verify_ms[i][j]: the verification's time at batch_sizes[i], copy_ks[j]."""
+    clock: Literal["wall", "events"] = "wall"
+    """How the draft and verification cells were timed: `wall`, the host's clock from call to return (on a CPU the
+    host is the device); `events`, the workers' CUDA events around their device work (`WorkClock`), so a step's
+    launch time the device hid behind its own work is not in them (the host's beside them: `host_draft_ms`)."""
+    host_draft_ms: list[list[float]] | None = None
+    """With `clock` = events: host_draft_ms[i][j] is the host's wall clock around the same steps' draft calls (the
+    cells' device time plus what launching and waiting add). A cell far below its host time is launch-bound."""
+    host_verify_ms: list[list[float]] | None = None
+    """Likewise around the verification calls."""
+    spread: list[list[float]] | None = None
+    """spread[i][j]: how far repeated visits of the cell disagree, |median of the even rounds' - median of the odd
+    rounds'| / median of all, over its draft + verification time (`profiling.measuring.spread`): the profiler visits
+    until every cell is within its `--agree` or its `--max-reps` run out."""
     context: ContextGrid | None = None
     """The draft's and the verification's time at several contexts (`specserve profile --contexts`): the cells
     above are scaled from `context_tokens` to the context a step serves. None (older profiles): one context."""
@@ -236,8 +253,12 @@ class LatencyGrid(BaseModel):
                     len(r) != len(self.copy_ks) or any(not v >= 0 for v in r) for r in self.copy_verify_ms):
                 raise ValueError(f"copy_verify_ms needs {len(self.copy_ks)} latencies >= 0 (one per copy k) "
                                  f"per batch size {self.batch_sizes}")
-        for name in ("draft_ms", "verify_ms", "other_ms"):
+        if self.clock == "wall" and (self.host_draft_ms is not None or self.host_verify_ms is not None):
+            raise ValueError("host_draft_ms / host_verify_ms go with clock = events (wall-clock cells are the host's)")
+        for name in ("draft_ms", "verify_ms", "other_ms", "host_draft_ms", "host_verify_ms", "spread"):
             rows = getattr(self, name)
+            if rows is None:
+                continue
             if len(rows) != len(self.batch_sizes):
                 raise ValueError(f"{name} has {len(rows)} rows for {len(self.batch_sizes)} batch sizes "
                                  f"{self.batch_sizes}: a batch size is missing")

@@ -237,7 +237,10 @@ def check_profile(ctx: Context):
           for i, b in enumerate(batches) for j, k in enumerate(ks)}
     if not all(math.isfinite(v) and v > 0 for v in ms.values()):
         return False, f"latency cells not all positive: {ms}", {"ms_per_step": ms}
-    return True, "ms per step " + ", ".join(f"{c} {v:.1f}" for c, v in ms.items()), {"ms_per_step": ms}
+    worst = max(max(r) for r in grid.spread)
+    return True, (f"ms per step ({grid.clock}) " + ", ".join(f"{c} {v:.1f}" for c, v in ms.items())
+                  + f"; repeated visits within {worst:.0%}"), {"ms_per_step": ms, "clock": grid.clock, "spread": grid.spread,
+                                                             "host_verify_ms": grid.host_verify_ms}
 
 
 def check_step(ctx: Context):

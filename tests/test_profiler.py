@@ -15,8 +15,8 @@ from serve_app.profiling.profiles import load_profile
 def tiny_profile(tiny_model_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp("prof") / "tiny.json"
     code = main(["profile", "--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"],
-                 "--batch-sizes", "1,2,4", "--max-k", "3", "--reps", "2", "--prompts", "3", "--max-tokens", "8",
-                 "--out", str(out)])
+                 "--batch-sizes", "1,2,4", "--max-k", "3", "--reps", "2", "--max-reps", "3", "--prompts", "3",
+                 "--max-tokens", "8", "--out", str(out)])
     assert code == 0
     return out
 
@@ -34,6 +34,9 @@ def test_profiling_smoke_writes_a_valid_profile_and_heatmap(tiny_profile):
     assert g.copy_ks == [10, 16] and all(len(r) == 2 and min(r) > 0 for r in g.copy_verify_ms)
     assert "verification also at k = 10, 16 (copies)" in p.notes
     assert "PROFILE_PROMPTS" in p.notes and "shuffled" in p.notes
+    # a CPU's cells are the wall clock (the host is the device); every cell says how far its visits disagree
+    assert g.clock == "wall" and g.host_verify_ms is None and "agree within 5%" in p.notes
+    assert len(g.spread) == 3 and all(len(r) == 4 and min(r) >= 0 for r in g.spread)
     assert len(p.acceptance) == 3 and sorted(p.acceptance, reverse=True) == p.acceptance
     assert set(p.best_k) == {1, 2, 4} and all(0 <= k <= 3 for k in p.best_k.values())
     assert len(p.confidence_curve) == 10 and all(0 <= v <= 1 for v in p.confidence_curve)
@@ -73,6 +76,62 @@ def test_latency_visits_every_k_per_round_in_a_shuffled_order_two_steps_each(tin
         assert len(getattr(grid, name)) == 1 and getattr(grid, name)[0] >= 0
     assert grid.chunk_ms(2, 10) == pytest.approx(grid.chunk_step_ms[0] + 10 * grid.chunk_ms_per_token[0])
     assert grid.prefill_ms is None  # admission no longer prefills: nothing to time there
+
+
+def test_spread_compares_the_medians_of_alternate_visits():
+    from serve_app.profiling.measuring import spread
+
+    assert spread([]) == spread([5.0]) == 0.0
+    assert spread([10.0, 10.0, 10.0, 10.0]) == 0.0
+    assert spread([10.0, 11.0, 10.0, 11.0]) == pytest.approx(1 / 10.5)  # even visits 10, odd 11: 9.5% apart
+    assert spread([10.0, 10.5, 10.2, 10.1, 9.9, 10.3]) < 0.05
+
+
+@pytest.mark.parametrize("agree, rounds", [(10.0, 2), (0.0, 4)])
+def test_latency_visits_past_reps_until_the_cells_agree(tiny_model_dirs, monkeypatch, agree, rounds):
+    """With `agree`, rounds go on past `reps` (here 2) up to `max_reps` (4) while a cell's alternate visits
+    disagree by more: 10 (100%) stops at reps, 0 (any disagreement) runs them all."""
+    from serve_app.profiling import profiler
+    from serve_app.config import ModelConfig
+    from serve_app.models import load_models
+
+    visits = []
+    real = profiler.visit
+    monkeypatch.setattr(profiler, "visit", lambda *a: visits.append(1) or real(*a))
+    models = load_models(ModelConfig(target=tiny_model_dirs["target"], draft=tiny_model_dirs["draft"]))
+    bar = profiler.tqdm(disable=True, total=0)
+    grid = profiler.measure_latency(models, [1], [0, 1], reps=2, bar=bar, chunk_prefill=False, agree=agree, max_reps=4)
+    assert len(visits) == 2 * (1 + rounds)  # a warm-up round, then the recorded ones, 2 ks each
+    assert grid.clock == "wall" and len(grid.spread) == 1 and len(grid.spread[0]) == 2
+
+
+def test_events_clock_makes_the_cells_device_time_and_keeps_the_hosts_beside(tiny_model_dirs, monkeypatch):
+    """With clock = events (a GPU's), the draft and verification cells are the workers' device work (their
+    WorkClock: on this CPU its spans around forwards and sampling), the host's wall clock around the same calls
+    beside them: never below the device work it contains."""
+    from serve_app.profiling import measuring, profiler
+    from serve_app.config import ModelConfig
+    from serve_app.models import load_models
+
+    seen = []
+    real = profiler.visit
+    monkeypatch.setattr(profiler, "visit", lambda *a: seen.append(real(*a)) or seen[-1])
+    monkeypatch.setattr(profiler, "clock_of", lambda engine: "events")
+    models = load_models(ModelConfig(target=tiny_model_dirs["target"], draft=tiny_model_dirs["draft"]))
+    grid = profiler.measure_latency(models, [2], [0, 2], reps=3, bar=profiler.tqdm(disable=True), chunk_prefill=False)
+    assert grid.clock == "events"
+    recorded = seen[2:]  # after the warm-up round's two visits
+    for j, k in enumerate(grid.ks):
+        mine = [v for v in recorded if v.kept.k == k]
+        assert len(mine) == 3
+        assert grid.verify_ms[0][j] == measuring.part_ms(mine, "verify", "events") > 0
+        assert grid.draft_ms[0][j] == measuring.part_ms(mine, "draft", "events")
+        assert grid.host_verify_ms[0][j] == measuring.part_ms(mine, "verify", "wall") >= grid.verify_ms[0][j]
+        assert grid.host_draft_ms[0][j] >= grid.draft_ms[0][j]
+        assert all(v.verify_device_s <= v.kept.verify_s for v in mine)
+    assert grid.draft_ms[0][0] == 0.0 < grid.draft_ms[0][1]  # k = 0 runs no draft forward, k = 2 two
+    with pytest.raises(ValueError, match="go with clock = events"):
+        type(grid).model_validate(grid.model_dump() | {"clock": "wall"})
 
 
 def test_chunk_price_times_steps_that_prefill_beside_the_decoding_batch(tiny_model_dirs, monkeypatch):

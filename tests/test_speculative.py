@@ -207,3 +207,48 @@ def test_top_candidates_are_the_top_k(vocab):
 def test_sample_inverse_cdf_edges():
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5]] * 3)
     assert sample(probs, torch.tensor([0.0, 0.49, 0.999])).tolist() == [1, 1, 3]
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+@pytest.mark.parametrize("vocab", [300, 5000])
+def test_accept_all_gives_the_walks_verdicts_without_reading_the_device(kernels, vocab, monkeypatch):
+    """`accept_all` (every row and position at once) against `verify_walk` on the same logits and randomness: a
+    batch of greedy, seeded and sampled rows (temperatures, top-k, top-p, nuclei wider than the first candidates)
+    with drafted lengths below k, greedy rows drafting the target's argmax everywhere (so a row accepts past its
+    length unless the length holds it). The same counts and tokens, with the C kernels and with torch's ops; with
+    torch's ops (a GPU's) not one read of the device."""
+    from serve_app.engine import vocab_ops
+    from serve_app.engine.sampling import TOP_N, accept_all, draft_choice
+    from serve_app.engine.syncs import SyncCounter
+
+    monkeypatch.setattr(vocab_ops, "ON", kernels)
+    gen = torch.Generator().manual_seed(vocab)
+    bsz, k = 15, 4
+    kinds = ["greedy", "seeded", "sampled"] * 5
+    logits = torch.randn(bsz, k + 1, vocab, generator=gen) * torch.tensor([0.5, 2.0, 6.0] * 5)[:, None, None]
+    lengths = [k, 2, 0, 3, k, k, 1, k, 2, k, 3, k, 0, k, 4]
+    params = [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 40, 1.0), (1.0, 0, 1.0), (0.5, 0, 0.95), (1.0, 5, 0.8)] * 3
+    params = params[:bsz]
+    w = Warp(torch.tensor([p[0] for p in params]), torch.tensor([p[1] for p in params]),
+             torch.tensor([p[2] for p in params]),  # the rows' settings known on the host too, as `Warp.of` makes them
+             host=([p[0] != 1.0 for p in params], [p[1] > 0 or p[2] < 1.0 for p in params], [p[1] for p in params]))
+    drafts = logits[:, :k].argmax(-1)
+    q_values, q_ids = torch.zeros(bsz, k, TOP_N), torch.zeros(bsz, k, TOP_N, dtype=torch.int32)
+    sampled = [b for b, kind in enumerate(kinds) if kind == "sampled"]
+    for j in range(k):  # sampled rows draft from a q near the target's own distribution (so some accept deep)
+        near = logits[sampled, j] + torch.randn(len(sampled), vocab, generator=gen) * 2.0
+        tok, q, ids = draft_choice(near, torch.zeros(len(sampled), dtype=torch.bool),
+                                   torch.full((len(sampled),), -1, dtype=torch.int32), w.rows(torch.tensor(sampled)),
+                                   torch.rand(len(sampled), generator=gen))
+        drafts[sampled, j], q_values[sampled, j], q_ids[sampled, j] = tok, q, ids
+    keys = torch.tensor([[noise_key(b, 7 + j) for j in range(k + 1)] for b in range(bsz)], dtype=torch.int32)
+    u = torch.rand(bsz, k, generator=gen)
+    walked = verify_walk(logits, drafts, torch.tensor([x == "greedy" for x in kinds]), keys,
+                         torch.tensor([x == "seeded" for x in kinds]), w, q_values, q_ids, u, None, torch.tensor(lengths))
+    with SyncCounter() as c:
+        num, nxt = accept_all(logits, drafts, kinds, lengths, keys, w, q_values, q_ids, u)
+    assert num.tolist() == walked[0].tolist() and nxt.tolist() == walked[1].tolist()
+    assert num.tolist()[0::3] == lengths[0::3]  # greedy rows accept every token they drafted, and no more
+    assert 0 < sum(num.tolist()[2::3]) < sum(lengths[2::3])  # sampled rows accept some, reject some
+    if not kernels:
+        assert c.total == 0, c.sites

@@ -154,3 +154,29 @@ def test_plain_greedy_steps_read_the_device_three_times_with_one_pass(tiny_targe
             if backend == "flex":
                 assert draft.static.eager_runs > 0
     assert all(outs[True, b] == outs[False, b] for b in sizes)
+
+
+def test_mixed_steps_read_the_device_three_times_with_one_pass(tiny_target, tiny_drafts, monkeypatch):
+    """The same for a batch mixing greedy, seeded and sampled top-p rows (`syncs.MIXED`, which the budget above
+    counts): the draft keeps each position's draws on the device, sampled rows' q too, and `sampling.accept_all`
+    decides every row and position in one pass. With the C kernels off (a GPU runs torch's ops; the kernels' own
+    fallbacks read on a CPU) <= 3 reads a step at k = 4, batch 3 and 24, against the walk's; the same tokens,
+    unseeded sampled rows included (the same random streams, in the same order)."""
+    from serve_app.engine import vocab_ops
+
+    monkeypatch.setattr(vocab_ops, "ON", False)
+    outs = {}
+    for one in (False, True):
+        for batch in (3, 24):
+            cfg = EngineConfig(policy="fixed:4", max_batch_size=batch, max_k=4)
+            target, draft = ModelWorker(tiny_target, "target"), ModelWorker(tiny_drafts["near"], "draft")
+            target.one_pass = draft.one_pass = one
+            target.rng.manual_seed(5)
+            draft.rng.manual_seed(6)
+            engine = Engine(target, draft, make_tokenizer(), cfg, FixedK(4))
+            reads = syncs.reads_per_step(engine, [list(range(3, 9 + i)) for i in range(batch)], max_tokens=40)
+            reqs = list(engine.running)
+            engine.run(reqs)
+            outs[one, batch] = [r.output_ids for r in reqs]
+            assert (2 <= reads <= 3) if one else reads >= 10, reads
+    assert all(outs[True, b] == outs[False, b] for b in (3, 24))

@@ -136,7 +136,7 @@ def _profile(models, dtype: str, device: str, plan: dict, path: Path):
 
     profile = measure_profile(models, models.target_name, models.draft_name, dtype, device, plan["batches"],
                               plan["max_k"], plan["reps"], plan["acceptance_prompts"], 32,
-                              copy_ks=copy_ks_for(plan["max_k"], 16))
+                              copy_ks=copy_ks_for(plan["max_k"], 16), agree=0.05, max_reps=2 * plan["reps"])
     save_profile(profile, path)
     return profile
 

@@ -165,14 +165,18 @@ def gumbel(keys: torch.Tensor, ids: torch.Tensor | None, vocab: int) -> torch.Te
     return noise_e(keys, ids, vocab).log_().neg_()
 
 
-def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:  # logits [R, V] -> [R] long
+def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor, reads: bool = True) -> torch.Tensor:  # [R, V] -> [R] long
     """argmax(logits + gumbel(keys)) without the whole vocabulary's noise where it cannot matter. A token
     of block b scores logit - log E(x) <= max logit in b - log E_min(b): score the blocks with the
     highest such bound token by token; once the best score beats the next block's bound, no other
-    token can win. Rows still open after the last round take every token's noise. Exact."""
+    token can win. Rows still open after the last round take every token's noise. Exact.
+    reads=False: every token's noise at once, so the host never reads which rows are open (on a GPU a pass over
+    the vocabulary costs less than a wait for the device; `accept_all`)."""
     if vocab_ops.fits(logits):  # on a CPU: one C call (the same choice, its logs within an ulp of torch's)
         return vocab_ops.gumbel_argmax(logits, keys)
     rows, vocab = logits.shape
+    if not reads:
+        return (logits.float() + gumbel(keys, None, vocab)).max(dim=-1).indices
     nb = (vocab + BLOCK - 1) // BLOCK
     every = torch.arange(nb, device=logits.device)[None, :].expand(rows, -1)
     e_min, _ = _block_minimum(keys.to(torch.int32)[:, None], every, vocab, where=False)
@@ -247,14 +251,15 @@ class Warp:
                     None if self.min_p is None else self.min_p[index], host)
 
 
-def warp_(logits: torch.Tensor, w: Warp) -> torch.Tensor:  # [N, V] -> [N, V] float32
+def warp_(logits: torch.Tensor, w: Warp, reads: bool = True) -> torch.Tensor:  # [N, V] -> [N, V] float32
     """Temperature, then min-p, then top-k, then top-p on the top-k renormalized distribution (a token stays while
     the mass strictly before it is below top_p; the first always stays), on a tensor the caller owns: a float32
     one is changed in place and returned; another dtype gives a new float32 tensor (the temperature divides as
     it widens: one pass, where a cast then a division would be two; the same bits). Dropped tokens get -inf, so
     softmax of the result is the distribution a request samples from. A token tied with the last kept one is
     kept too (the cut is a threshold on the logit). On a CPU without min-p one C call per row (`vocab_ops.warp`:
-    the row scaled, searched and cut while in cache; the same bits as the passes one by one)."""
+    the row scaled, searched and cut while in cache; the same bits as the passes one by one). reads=False: the
+    top-p cut never reads the device (`_floor`)."""
     top_k = None  # the cut rows' top_k on the host, where known
     if w.host is not None:  # decided on the host
         scaled, cut = any(w.host[0]), w.host[1]
@@ -281,10 +286,10 @@ def warp_(logits: torch.Tensor, w: Warp) -> torch.Tensor:  # [N, V] -> [N, V] fl
     if w.min_p is not None:
         _min_p_(logits, w.min_p)
     if len(cut_rows) == logits.shape[0]:
-        _truncate(logits, w.top_k, w.top_p, top_k)
+        _truncate(logits, w.top_k, w.top_p, top_k, reads)
     elif cut_rows:
         rows = _index(cut_rows, logits.device)
-        logits[rows] = _truncate(logits[rows], w.top_k[rows], w.top_p[rows], top_k)
+        logits[rows] = _truncate(logits[rows], w.top_k[rows], w.top_p[rows], top_k, reads)
     return logits
 
 
@@ -323,7 +328,7 @@ def _cut_below_(x: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:  # [R, V]
 
 
 def _truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-              top_k_host: list[int] | None = None) -> torch.Tensor:  # [R, V]
+              top_k_host: list[int] | None = None, reads: bool = True) -> torch.Tensor:  # [R, V]
     """Apply top-k / top-p to rows of scaled logits: -inf below each row's floor (`_floor`; on a CPU one C call,
     `vocab_ops.top_p_floor`, with torch's loop for a row whose nucleus outgrows its candidates)."""
     if x.dtype == torch.float32 and vocab_ops.fits(x):
@@ -332,14 +337,16 @@ def _truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
         if len(wide):
             floor[wide] = _floor(x.index_select(0, wide), top_k[wide], top_p[wide])
         return _cut_below_(x, floor)
-    return _cut_below_(x, _floor(x, top_k, top_p, top_k_host))
+    return _cut_below_(x, _floor(x, top_k, top_p, top_k_host, reads))
 
 
 def _floor(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           top_k_host: list[int] | None = None) -> torch.Tensor:  # [R, V] -> [R]
+           top_k_host: list[int] | None = None, reads: bool = True) -> torch.Tensor:  # [R, V] -> [R]
     """The smallest value each row keeps under top-k / top-p, from a top-`width` pass; a row whose nucleus may
     reach past the candidates is redone wider (8x, up to the whole vocabulary). top_k_host: top_k on the
-    host, where the caller knows it (the first width is then chosen without reading the device)."""
+    host, where the caller knows it (the first width is then chosen without reading the device). reads=False:
+    no row is redone (which would read which rows are done): a nucleus that may outgrow the candidates is found
+    over the whole vocabulary at once."""
     vocab = x.shape[-1]
     k_eff = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))  # [R]
     if top_k_host is not None:
@@ -347,6 +354,8 @@ def _floor(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     else:
         widest, all_k = torch.stack([k_eff.max(), (top_k > 0).all().long()]).tolist()  # one read, not two
     width = min(vocab, max(64, widest) if all_k else 64)
+    if not reads and not (all_k and widest <= width):
+        width = vocab
     # the whole vocabulary's normalizer: needed unless every row's top-k lies among the first candidates
     total = logsumexp(x)[:, None] if not all_k or widest > width else None  # [R, 1]
     threshold = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
@@ -365,7 +374,8 @@ def _floor(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
         probs = (vals - norm).exp().masked_fill(~in_k, 0.0)
         keep = in_k & (probs.cumsum(dim=-1) - probs < top_p[todo, None])
         kept = keep.sum(dim=-1)  # [T] >= 1
-        if width == vocab:  # the whole vocabulary: every row is done, nothing to read back
+        if width == vocab or (all_k and widest <= width):  # every row is done (a top-k within the candidates,
+            # or the whole vocabulary): nothing to read back
             threshold[todo] = vals.gather(1, (kept - 1)[:, None]).squeeze(1)
             break
         done = (within | ((kept < width) & (k_eff[todo] == vocab))).tolist()  # the loop's one read
@@ -386,6 +396,7 @@ def draft_choice(
     u: torch.Tensor,  # [B] uniforms for sampled rows
     top_n: int = TOP_N,
     kind: tuple[list[bool], list[bool]] | None = None,  # (greedy, keys >= 0) per row where the caller knows them
+    reads: bool = True,  # False: no read of the device (a seeded row's choice and cut over the whole vocabulary)
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """tokens [B], and for the unseeded sampled rows' exact verification q's values [B, N] and ids
     [B, N] (zero rows for greedy and seeded rows, which the target verifies by its own choice, not by
@@ -422,8 +433,8 @@ def draft_choice(
             rows = _index(seeded, dev)
             ws = w.rows(rows, seeded)
     if seeded:
-        x = warp_(_warpable(logits, rows), ws) if ws.warps() else _pick(logits, rows)  # unwarped: no copy
-        tokens[rows] = gumbel_argmax(x, keys[rows])
+        x = warp_(_warpable(logits, rows), ws, reads) if ws.warps() else _pick(logits, rows)  # unwarped: no copy
+        tokens[rows] = gumbel_argmax(x, keys[rows], reads)
     plain_rows = [i for i, (x, y) in enumerate(zip(*kind)) if not x and not y]
     plain = _index(plain_rows, dev)
     values = torch.zeros((logits.shape[0], n), dtype=torch.float32, device=logits.device)
@@ -545,6 +556,65 @@ def verify_walk(
     return num_acc, next_tok
 
 
+def accept_all(
+    logits: torch.Tensor,  # [B, k+1, V] the target's logits after each fed draft position
+    drafts: torch.Tensor,  # [B, k] long, on logits' device
+    kinds: list[str],  # per row, on the host: "greedy", "seeded" (the coupled sampler) or "sampled"
+    lengths: list[int],  # per row, on the host: tokens it drafted (<= k)
+    keys: torch.Tensor,  # [B, k+1] int32 noise keys (as verify_walk's)
+    w: Warp,
+    q_values: torch.Tensor | None,  # [B, k, N] the draft's q for sampled rows (as verify_walk's)
+    q_ids: torch.Tensor | None,  # [B, k, N]
+    accept_u: torch.Tensor,  # [B, k] uniforms for the rejection tests
+) -> tuple[torch.Tensor, torch.Tensor]:  # num_accepted [B] long, next_token [B] long, on the device
+    """verify_walk's verdicts with no read of the device: every row's decision at every position at once, then the
+    accepted prefix by a cumulative product. A position's decision depends only on its own logits and its own
+    randomness (keys, uniforms drawn per position up front), so deciding positions the walk never reaches changes
+    nothing: the same tokens, from vocabulary passes the walk would skip. Worth it where a read stalls a stream (a
+    GPU: `ModelWorker.one_pass`); a CPU walks. Rows with controls (grammars, penalties) walk: their masks follow
+    the accepted prefix. Greedy rows take the argmax in the logits' dtype, as the walk does."""
+    bsz, width, vocab = logits.shape
+    k = width - 1
+    dev = logits.device
+    token = torch.empty((bsz, width), dtype=torch.long, device=dev)
+    accepted = torch.zeros((bsz, k), dtype=torch.bool, device=dev)
+    greedy = [b for b, kind in enumerate(kinds) if kind == "greedy"]
+    if len(greedy) == bsz:
+        token = argmax(logits.reshape(-1, vocab)).view(bsz, width)
+    elif greedy:
+        g = _index(greedy, dev)
+        token[g] = argmax(logits.index_select(0, g).reshape(-1, vocab)).view(-1, width)
+    rest = [b for b, kind in enumerate(kinds) if kind != "greedy"]
+    if rest:
+        flat = [b for b in rest for _ in range(width)]  # each row's positions, in order: rows of [R * (k+1), V]
+        at = _index(flat, dev)
+        x = warp_(logits.index_select(0, _index(rest, dev)).reshape(-1, vocab), w.rows(at, flat), reads=False)
+        pos = torch.arange(width, device=dev).repeat(len(rest))  # [R * (k+1)]
+        row_keys = keys[at, pos]
+        choice = gumbel_argmax(x, row_keys, reads=False)  # seeded rows' coupled choice; sampled rows' bonus token
+        plain = [i for i, b in enumerate(flat) if kinds[b] == "sampled" and i % width < k]  # rejection-tested
+        if plain and q_values is not None:
+            p_i = _index(plain, dev)
+            xs, rb, j = x.index_select(0, p_i), at[p_i], pos[p_i]
+            lse = logsumexp(xs)
+            d = drafts[rb, j]
+            ids, vals = q_ids[rb, j].long(), q_values[rb, j]
+            q_x = (vals * (ids == d[:, None])).sum(dim=1)
+            ok = accept_rejection((xs.gather(1, d[:, None]).squeeze(1) - lse).exp(), q_x, accept_u[rb, j])
+            recovered = gumbel_argmax(residual_logits_(xs, lse, vals, ids), row_keys[p_i], reads=False)
+            tested = torch.tensor([lengths[flat[i]] > i % width for i in plain], device=dev)
+            choice[p_i] = torch.where(tested, recovered, choice[p_i])  # past its last draft: the bonus token
+            accepted[rb, j] = ok
+        token[_index(rest, dev)] = choice.view(len(rest), width)
+    by_choice = [b for b, kind in enumerate(kinds) if kind != "sampled"]  # greedy and seeded: accepted while equal
+    if by_choice and k:
+        c = _index(by_choice, dev)
+        accepted[c] = token[c, :k] == drafts[c]
+    accepted &= torch.arange(k, device=dev) < torch.tensor(lengths, device=dev)[:, None]
+    num = accepted.long().cumprod(dim=1).sum(dim=1)
+    return num, token.gather(1, num[:, None]).squeeze(1)
+
+
 def _verify_rows(x, rows, rows_b, j, w, test, drafts, keys, q_values, q_ids, accept_u):
     """`vocab_ops.verify` for rows `rows` of position j's logits x (rows_b: their batch rows; w: their settings;
     test: which are rejection-tested): token [R], accepted [R]."""
@@ -610,5 +680,5 @@ def logprob_top(
     return chosen, vals, ids
 
 
-__all__ = ["TOP_N", "Warp", "draft_choice", "gumbel", "gumbel_argmax", "logprob_top", "noise_e", "noise_key", "verify_walk",
+__all__ = ["TOP_N", "Warp", "accept_all", "draft_choice", "gumbel", "gumbel_argmax", "logprob_top", "noise_e", "noise_key", "verify_walk",
            "warp_"]

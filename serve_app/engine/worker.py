@@ -39,8 +39,8 @@ from serve_app.engine.kv import (ATTENTION, PagedKV, attention_layers, cuda_memo
                                 pack)
 from serve_app.engine.history import PROMPT_TAIL, LiveOutputs, SuffixHistory, history_estimate
 from serve_app.engine.lookup import LOOKUP_MIN_N, CopyRecord, NgramIndex
-from serve_app.engine.sampling import (TOP_N, Warp, argmax, draft_choice, logprob_top, logsumexp, noise_key,
-                                      verify_walk)
+from serve_app.engine.sampling import (TOP_N, Warp, accept_all, argmax, draft_choice, logprob_top, logsumexp,
+                                      noise_key, verify_walk)
 
 
 @dataclass
@@ -186,7 +186,7 @@ class ModelWorker:
         """A step looked ahead (`look_ahead`): (its rows, its Verdict or None while it runs, what undoes it)."""
         self.ahead_used = 0  # looked-ahead steps a verification was answered with
         self.one_pass = self.device.type == "cuda"
-        """A batch of plain greedy rows is accepted in one vectorized pass (`_greedy_pass`: every position's logits
+        """A batch without controls is accepted in one vectorized pass (`sampling.accept_all`: every position's logits
         in one pass over the output projection, one read-back) instead of the walk's read per position: on a GPU,
         where each read stalls the stream and the projection's cost is its weights, not its rows."""
         self.static: StaticSteps | None = None
@@ -361,9 +361,8 @@ class ModelWorker:
         drafting = Drafting(self, seqs, k, lens)
         backlog = (0, 0)
         window = backlog_window(fed, k)
-        if self.one_pass and isinstance(k, int) and k > 0 and not drafting.copyable \
-                and all(s.params.greedy and not _steered(s) for s in seqs):
-            return self._propose_greedy(seq_ids, seqs, fed, lens, k, window)
+        if self.one_pass and isinstance(k, int) and k > 0 and not drafting.copyable and not any(map(_steered, seqs)):
+            return self._propose_on_device(seq_ids, seqs, fed, lens, k, window)
         forwards = [0] * len(seqs)  # per row: the forwards that fed it
         j = 0
         while drafting.more:
@@ -383,24 +382,45 @@ class ModelWorker:
             s.proposal_kv = n + f - 1 if f else -1
         return drafting.proposal(backlog)  # its KV keeps what the model drafted: no token is scored twice
 
-    def _propose_greedy(self, seq_ids: list[str], seqs: list[Sequence], fed: list[list[int]], lens: list[int], k: int,
-                        window: int) -> Proposal:
-        """`propose` for k positions of plain greedy rows (no plan, no copies): each position's tokens stay on the
-        device and feed the next forward, read back once at the end (the loop above reads each position's)."""
+    def _propose_on_device(self, seq_ids: list[str], seqs: list[Sequence], fed: list[list[int]], lens: list[int], k: int,
+                           window: int) -> Proposal:
+        """`propose` for k positions of rows without a plan, copies or controls: each position's draws (tokens, a
+        sampled row's q) stay on the device and the tokens feed the next forward, read back once at the end (the
+        loop above reads each position's). The same draws as the loop: the same noise keys, the same uniforms
+        from the worker's stream in the same order."""
+        greedy = all(s.params.greedy for s in seqs)
+        if not greedy:
+            dev = self.device
+            w = Warp.of([s.params for s in seqs], dev)
+            kind = [s.params.greedy for s in seqs], [_coupled(s) for s in seqs]
+            is_greedy = torch.tensor(kind[0], device=dev)
         logits = self._forward(seq_ids, fed, window, starts=[n - len(f) for n, f in zip(lens, fed)])
         guessed = self._timed(backlog_guesses, logits)  # [B, window - 1] on the device
-        drawn = []
+        drawn, qs, ids = [], [], []
         for j in range(k):
-            drawn.append(self._timed(argmax, logits[:, -1]))  # [B] on the device
+            if greedy:
+                drawn.append(self._timed(argmax, logits[:, -1]))  # [B] on the device
+            else:
+                keys = torch.tensor([noise_key(s.params.seed, n + j) if c else -1 for s, n, c in zip(seqs, lens, kind[1])],
+                                    dtype=torch.int32).to(dev, non_blocking=True)
+                u = torch.rand(len(seqs), generator=self.rng).to(dev, non_blocking=True)
+                tok, q, q_ids = self._timed(draft_choice, logits[:, -1], is_greedy, keys, w, u, self.top_n, kind, False)
+                drawn.append(tok)
+                qs.append(q)
+                ids.append(q_ids)
             if j + 1 < k:
                 logits = self._forward(seq_ids, [[self.pad_id]] * len(seqs), 1, starts=[n + j for n in lens],
                                        ids=drawn[-1])
         for s, n in zip(seqs, lens):
             s.proposal_kv = n + k - 1
+        probs = support = None
+        if qs:  # copied without waiting; the tokens' copy below waits for the stream once
+            probs = torch.stack(qs, 1).to("cpu", non_blocking=True)
+            support = torch.stack(ids, 1).to("cpu", non_blocking=True)
         host = torch.cat([torch.stack(drawn, 1), guessed], 1).cpu()  # the one read: drafts and backlog guesses
         rows = host.tolist()
         backlog = _backlog_matches(seqs, fed, window, [r[k:] for r in rows]) if window > 1 else (0, 0)
-        out = Proposal(host[:, :k], backlog=backlog, _rows=[r[:k] for r in rows])
+        out = Proposal(host[:, :k], probs, support, backlog=backlog, _rows=[r[:k] for r in rows])
         out.forwards = k
         return out
 
@@ -538,8 +558,6 @@ class ModelWorker:
         dev = self.device
         k = proposal.tokens.shape[1]
         bsz = len(seqs)
-        if self.one_pass and all(s.params.greedy and not _steered(s) for s in seqs):
-            return _greedy_pass(logits, proposal)
         greedy = torch.tensor([s.params.greedy for s in seqs], device=dev)
         seeded = torch.tensor([_coupled(s) for s in seqs], device=dev)
         # Per row and position: a seeded row's noise key comes from (seed, position); an unseeded sampled
@@ -558,6 +576,15 @@ class ModelWorker:
         q_values = q_ids = None
         if proposal.probs is not None:
             q_values, q_ids = proposal.probs.to(dev), proposal.support.to(dev)
+        warp = Warp.of([s.params for s in seqs], dev)
+        if self.one_pass and not any(_steered(s) for s in seqs):  # every row and position at once, one read-back
+            full = logits.all() if isinstance(logits, LazyLogits) else logits  # [B, k+1, V]
+            kinds = ["greedy" if s.params.greedy else "seeded" if _coupled(s) else "sampled" for s in seqs]
+            with denormals_flushed(self.flush_denormals):
+                num_acc, next_tok = accept_all(full, proposal.tokens.to(dev), kinds, proposal.row_lengths(), keys, warp,
+                                               q_values, q_ids, u)
+            num_acc, next_tok = torch.stack([num_acc, next_tok]).tolist()
+            return num_acc, next_tok
         controls, process = Controls.of(seqs, dev), None
         if controls is not None:
             drafts = proposal.drafts()
@@ -565,9 +592,8 @@ class ModelWorker:
             process = lambda x, rows, j: controls.apply(x, rows, j, drafts)  # noqa: E731
         lengths = None if proposal.lengths is None else torch.tensor(proposal.lengths, device=dev)
         with denormals_flushed(self.flush_denormals):
-            num_acc, next_tok = verify_walk(logits, proposal.tokens.to(dev), greedy, keys, seeded,
-                                            Warp.of([s.params for s in seqs], dev), q_values, q_ids, u, process,
-                                            lengths)
+            num_acc, next_tok = verify_walk(logits, proposal.tokens.to(dev), greedy, keys, seeded, warp, q_values, q_ids,
+                                            u, process, lengths)
         return num_acc.tolist(), next_tok.tolist()
 
     @torch.inference_mode()
@@ -875,7 +901,7 @@ class LazyLogits:
         return out
 
     def all(self) -> torch.Tensor:  # -> [B, k+1, V]
-        """Every position's logits in one pass over the output projection (`_greedy_pass`)."""
+        """Every position's logits in one pass over the output projection (`sampling.accept_all`)."""
         t0 = self.clock.start()
         out = self._head(self.hidden)
         self.clock.stop("head", t0, self.timings)
@@ -891,23 +917,6 @@ class LazyLogits:
         out = self._head(self.hidden.index_select(0, rows)[:, :width])
         self.clock.stop("head", t0, self.timings)
         return out
-
-
-def _greedy_pass(logits, proposal: "Proposal") -> tuple[list, list]:
-    """Acceptance of plain greedy rows in one pass: each position's argmax, the drafts accepted while they equal
-    it (up to each row's length), the next token the argmax after the last accepted; one read-back. The walk's
-    verdicts, from the same logits (`verify_walk`)."""
-    full = logits.all() if isinstance(logits, LazyLogits) else logits  # [B, k+1, V]
-    bsz, width = full.shape[:2]
-    k = width - 1
-    token = argmax(full.reshape(bsz * width, -1)).view(bsz, width)
-    drafts = proposal.tokens.to(token.device)
-    lengths = torch.tensor(proposal.row_lengths(), device=token.device)
-    agree = (token[:, :k] == drafts) & (torch.arange(k, device=token.device) < lengths[:, None])  # [B, k]
-    num = agree.long().cumprod(dim=1).sum(dim=1)
-    nxt = token.gather(1, num[:, None]).squeeze(1)
-    num_acc, next_tok = torch.stack([num, nxt]).tolist()
-    return num_acc, next_tok
 
 
 def confidence(logits: torch.Tensor, top: torch.Tensor | None = None) -> list[float]:  # logits [B, V]

@@ -29,7 +29,7 @@ from serve_app.engine.policy import FixedK
 from serve_app.engine.scheduler import Engine
 from serve_app.engine.stats import StepStats
 from serve_app.pricing import ContextGrid
-from serve_app.profiling.measuring import measuring_engine, visit
+from serve_app.profiling.measuring import Visit, clock_of, measuring_engine, part_ms, visit
 
 PREFILL_BUDGET = 8192
 """Tokens per step while the long prompts prefill (chunked): large enough to be quick, small enough that a
@@ -63,7 +63,7 @@ def measure_context(models, batch_sizes: list[int], ks: list[int], contexts: lis
     measured: list[float] = []
     draft = [[[None] * len(ks) for _ in batch_sizes] for _ in contexts]
     verify = [[[None] * len(ks) for _ in batch_sizes] for _ in contexts]
-    backend = None
+    backend, clock = None, "wall"
     with tqdm(total=len(contexts) * len(batch_sizes), desc="context grid", unit="cell") as bar:
         for c_i, c in enumerate(contexts):
             seen_ctx: list[float] = []
@@ -94,17 +94,17 @@ def measure_context(models, batch_sizes: list[int], ks: list[int], contexts: lis
                 for k in ks:  # warm-up, not recorded: a new engine's first steps at each k run slow
                     engine.policy = FixedK(k)
                     engine.step()
-                samples: dict[int, list[StepStats]] = {k: [] for k in ks}
+                samples: dict[int, list[Visit]] = {k: [] for k in ks}
+                clock = clock_of(engine)
                 for _ in range(reps):
                     order = list(ks)
                     rng.shuffle(order)
                     for k in order:
-                        _, kept = visit(engine, FixedK(k), seen)
-                        samples[k].append(kept)
+                        samples[k].append(visit(engine, FixedK(k), seen))
                         seen_ctx.append(statistics.fmean(r.context_len for r in reqs))
                 for j, k in enumerate(ks):
-                    draft[c_i][b_i][j] = round(statistics.median(s.draft_s for s in samples[k]) * 1000, 3)
-                    verify[c_i][b_i][j] = round(statistics.median(s.verify_s for s in samples[k]) * 1000, 3)
+                    draft[c_i][b_i][j] = part_ms(samples[k], "draft", clock)
+                    verify[c_i][b_i][j] = part_ms(samples[k], "verify", clock)
                 for r in reqs:
                     engine.abort(r)
                 engine.step()
@@ -122,7 +122,7 @@ def measure_context(models, batch_sizes: list[int], ks: list[int], contexts: lis
     layout = "padded" if backend in (None, "gather") else "paged"
     return ContextGrid(contexts=[measured[i] for i in keep], batch_sizes=batch_sizes, ks=ks,
                        draft_ms=[draft[i] for i in keep], verify_ms=[verify[i] for i in keep], layout=layout,
-                       backend=backend)
+                       backend=backend, clock=clock)
 
 
 def measure_chunk_context(models, context: int, budget: int, seed: int = 0, reps: int = 3) -> dict:

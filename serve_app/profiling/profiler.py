@@ -36,7 +36,7 @@ from serve_app.bench.prompt_sets import PROFILE_PROMPTS, chat_prompts
 from serve_app.hardware import detect_gpu_type
 from serve_app.pricing import LatencyGrid, best_k_table, ms_per_token
 from serve_app.profiling.context import measure_chunk_context, scaled_to
-from serve_app.profiling.measuring import BUDGET, measuring_engine, visit
+from serve_app.profiling.measuring import BUDGET, Visit, clock_of, measuring_engine, part_ms, spread, visit
 from serve_app.profiling.profiles import Profile, fit_acceptance_rate, load_profile, save_profile
 from serve_app.engine.scheduler import Engine
 from serve_app.engine.stats import StepStats
@@ -52,8 +52,21 @@ def _total_ms(st: StepStats) -> float:
     return (st.draft_s + st.verify_s + st.other_s) * 1000
 
 
+def _step_ms(v: Visit, clock: str) -> float:
+    """A visit's draft + verification time by `clock` (what `spread` compares between rounds)."""
+    if clock == "events":
+        return (v.draft_device_s + v.verify_device_s) * 1000
+    return (v.kept.draft_s + v.kept.verify_s) * 1000
+
+
+def _worst(samples: dict[int, list[Visit]], clock: str) -> float:
+    """The largest disagreement between repeated visits of one cell so far (`spread`)."""
+    return max(spread([_step_ms(v, clock) for v in visits]) for visits in samples.values())
+
+
 def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int], reps: int, bar: tqdm,
-                    seed: int = 0, copy_ks: list[int] = (), chunk_prefill: bool = True) -> LatencyGrid:
+                    seed: int = 0, copy_ks: list[int] = (), chunk_prefill: bool = True, agree: float | None = None,
+                    max_reps: int | None = None) -> LatencyGrid:
     """Median draft / verify / other time of a step for every (batch size, k), and the chunked prefill's price.
 
     b greedy requests run together while the profiler sets k, b fresh ones every round (so contexts
@@ -68,6 +81,10 @@ def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int],
     `copy_ks` (past ks[-1]) are visited too, only their verification kept (`LatencyGrid.copy_verify_ms`): the
     draft drafts them with its model here, a copying row without one when serving. `chunk_prefill`: False
     leaves the chunked prefill's price out (`remeasure_copies`).
+    On a GPU the draft and verification cells are the workers' device time by CUDA events (`LatencyGrid.clock`),
+    the host's wall clock kept beside them (`host_draft_ms`, `host_verify_ms`); on a CPU, the wall clock.
+    `agree`: rounds go on past `reps`, up to `max_reps`, until every cell's repeated visits agree within it
+    (`measuring.spread` of its draft + verification time; each cell's final spread is in `LatencyGrid.spread`).
     """
     prompts = chat_prompts(models.tokenizer, PROFILE_PROMPTS, max(batch_sizes))
     rounds = reps + 1  # one warm-up round per batch size, not recorded
@@ -76,7 +93,10 @@ def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int],
     rng = random.Random(seed)
     cells = {name: [[0.0] * len(ks) for _ in batch_sizes] for name in ("draft_ms", "verify_ms", "other_ms")}
     copy_verify = [[0.0] * len(copy_ks) for _ in batch_sizes]
-    resume_ms, contexts = [], []
+    resume_ms, contexts, spreads = [], [], []
+    host = {"host_draft_ms": [], "host_verify_ms": []}
+    max_reps = max(reps, max_reps or reps) if agree is not None else reps
+    clock = "wall"
     chunk: dict[str, list[float]] = {name: [] for name in ("chunk_step_ms", "chunk_ms_per_token", "chunk_draft_step_ms",
                                                            "chunk_draft_ms_per_token")}
     chunk_prompt = None
@@ -90,10 +110,13 @@ def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int],
         seen: list[StepStats] = []
         engine.on_step.append(seen.append)
         params = SamplingParams(max_tokens=per_round, ignore_eos=True)
-        samples: dict[int, list[StepStats]] = {k: [] for k in visits}
+        clock = clock_of(engine)
+        samples: dict[int, list[Visit]] = {k: [] for k in visits}
         resumes: list[tuple[int, StepStats]] = []  # (k, switch step) right after a k = 0 visit
-        prev = 0
-        for r in range(rounds):
+        prev = r = 0
+        while r < rounds or (r <= max_reps and _worst(samples, clock) > agree):
+            if r >= rounds:
+                bar.total += len(visits)  # a round past `reps`: the cells do not agree yet
             # Fresh requests every round: contexts stay at a chat answer's length (prompt + up to one
             # round's tokens) instead of growing over the rounds; attention reads every earlier token.
             reqs = [engine.submit(prompts[(r * b + j) % len(prompts)], params) for j in range(b)]
@@ -102,23 +125,28 @@ def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int],
             order = list(visits)
             rng.shuffle(order)
             for k in order:
-                switch, kept = visit(engine, FixedK(k), seen)
+                v = visit(engine, FixedK(k), seen)
                 if r:
-                    samples[k].append(kept)
+                    samples[k].append(v)
                     contexts.append(statistics.fmean(len(q.context()) for q in reqs))
                     if prev == 0 and 0 < k <= ks[-1]:
-                        resumes.append((k, switch))
+                        resumes.append((k, v.switch))
                 prev = k
                 bar.update(1)
             for q in reqs:
                 engine.abort(q)
             engine.step()  # drops them: frees their KV
+            r += 1
         for j, k in enumerate(ks):
-            for name, attr in (("draft_ms", "draft_s"), ("verify_ms", "verify_s"), ("other_ms", "other_s")):
-                cells[name][i][j] = round(statistics.median(getattr(s, attr) for s in samples[k]) * 1000, 3)
+            cells["draft_ms"][i][j] = part_ms(samples[k], "draft", clock)
+            cells["verify_ms"][i][j] = part_ms(samples[k], "verify", clock)
+            cells["other_ms"][i][j] = round(statistics.median(v.kept.other_s for v in samples[k]) * 1000, 3)
+        host["host_draft_ms"].append([part_ms(samples[k], "draft", "wall") for k in ks])
+        host["host_verify_ms"].append([part_ms(samples[k], "verify", "wall") for k in ks])
+        spreads.append([round(spread([_step_ms(v, clock) for v in samples[k]]), 4) for k in ks])
         for j, k in enumerate(copy_ks):
-            copy_verify[i][j] = round(statistics.median(s.verify_s for s in samples[k]) * 1000, 3)
-        steady = {k: cells["draft_ms"][i][j] for j, k in enumerate(ks)}
+            copy_verify[i][j] = part_ms(samples[k], "verify", clock)
+        steady = {k: host["host_draft_ms"][i][j] for j, k in enumerate(ks)}  # the switch steps are wall-clock too
         extra = [s.draft_s * 1000 - steady[k] for k, s in resumes]
         resume_ms.append(round(max(statistics.median(extra), 0.0), 3) if extra else 0.0)
         if chunk_prefill:
@@ -131,7 +159,8 @@ def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int],
     return LatencyGrid(batch_sizes=batch_sizes, ks=ks, resume_ms=resume_ms, chunk_budget=BUDGET if chunk_prefill else None,
                        chunk_prompt_tokens=chunk_prompt, **chunk,
                        copy_ks=list(copy_ks) or None, copy_verify_ms=copy_verify if copy_ks else None,
-                       context_tokens=round(statistics.fmean(contexts)) if contexts else None, **cells)
+                       context_tokens=round(statistics.fmean(contexts)) if contexts else None, clock=clock,
+                       spread=spreads, **(host if clock == "events" else {}), **cells)
 
 
 def measure_chunk_prefill(models: LoadedModels, prompts: list[list[int]], batch: int, reps: int, max_model_len: int,
@@ -213,14 +242,15 @@ def measure_acceptance(models: LoadedModels, k: int, num_prompts: int, max_token
 
 
 def run_profile(mc: ModelConfig, out: str | None, batch_sizes: list[int], max_k: int, reps: int,
-                num_prompts: int, max_tokens: int, copy_ks: list[int] = ()) -> tuple[Profile, Path]:
+                num_prompts: int, max_tokens: int, copy_ks: list[int] = (), agree: float | None = None,
+                max_reps: int | None = None) -> tuple[Profile, Path]:
     models = load_models(mc)
     if models.draft is None:
         raise ValueError("profiling needs a draft model (--draft): without one there is no k to choose")
     out_path = Path(out or f"profiles/{detect_gpu_type()}.json")
     target, draft = model_names(mc)
     profile = measure_profile(models, target, draft, resolve_dtype(mc.dtype, mc.device), mc.device, batch_sizes, max_k,
-                              reps, num_prompts, max_tokens, copy_ks)
+                              reps, num_prompts, max_tokens, copy_ks, agree, max_reps)
     save_profile(profile, out_path)
     plot_profile(profile, out_path.with_suffix(".png"))
     return profile, out_path
@@ -330,22 +360,28 @@ def remeasure_chunk_context(mc: ModelConfig, path: str | None, context: int) -> 
 
 
 def measure_profile(models: LoadedModels, target: str, draft: str, dtype: str, device: str, batch_sizes: list[int],
-                    max_k: int, reps: int, num_prompts: int, max_tokens: int, copy_ks: list[int] = ()) -> Profile:
+                    max_k: int, reps: int, num_prompts: int, max_tokens: int, copy_ks: list[int] = (),
+                    agree: float | None = None, max_reps: int | None = None) -> Profile:
     """This machine's profile of a loaded pair (named target / draft): latency grid (with the verification at
-    `copy_ks`), acceptance, best-k table."""
+    `copy_ks`; rounds past `reps` up to `max_reps` while its cells' visits disagree by more than `agree`),
+    acceptance, best-k table."""
     gpu_type = detect_gpu_type()
     ks = list(range(max_k + 1))
     torch.manual_seed(0)
     total = len(batch_sizes) * ((reps + 1) * (len(ks) + len(copy_ks)) + 1) + num_prompts
     with tqdm(total=total, desc=f"profile {gpu_type}", unit="cell") as bar:
-        grid = measure_latency(models, batch_sizes, ks, reps, bar, copy_ks=copy_ks)
+        grid = measure_latency(models, batch_sizes, ks, reps, bar, copy_ks=copy_ks, agree=agree, max_reps=max_reps)
         acceptance, curve = measure_acceptance(models, max_k, num_prompts, max_tokens, bar)
     return Profile(
         gpu_type=gpu_type, target=target, draft=draft, dtype=dtype, latency=grid, acceptance=acceptance,
         confidence_curve=curve,
         acceptance_rate=round(fit_acceptance_rate(acceptance), 4), best_k=best_k_table(grid, acceptance),
         machine=socket.gethostname(),
-        notes=(f"specserve profile: greedy; latency: {reps} rounds after a warm-up round, fresh requests each round "
+        notes=(f"specserve profile: greedy; latency: {reps} rounds after a warm-up round"
+               + (f" (up to {max(reps, max_reps or reps)} until repeated visits of every cell agree within "
+                  f"{agree:.0%}; worst spread {max(max(r) for r in grid.spread):.1%})" if agree is not None else "")
+               + f", cells timed by {'CUDA events (device work; the host wall clock beside them)' if grid.clock == 'events' else 'the wall clock'}"
+               + ", fresh requests each round "
                f"(mean context {grid.context_tokens} tokens), k visited in a shuffled order, two steps per visit, "
                "the second recorded (median over rounds); chunked prefill: "
                f"{grid.chunk_prompt_tokens}-token and whole-chunk prompts ({grid.chunk_budget}-token step budget) "

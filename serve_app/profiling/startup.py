@@ -53,7 +53,7 @@ def _long_context_pass(engine, sizes: list[int], ks: list[int], prompts: list[li
             engine.step()
         cells = {}
         for k in ks:
-            _, kept = visit(engine, FixedK(k), seen)  # the dropped first step warms this shape up and pays the switch
+            kept = visit(engine, FixedK(k), seen).kept  # the dropped first step warms this shape up and pays the switch
             cells[k] = kept
             measured.append(statistics.fmean(len(q.prompt_ids) + q.stats.generated_tokens for q in reqs))
         for q in reqs:
@@ -96,7 +96,7 @@ def short_profile(engine, gpu_type: str, target: str, draft: str, dtype: str, ro
                     engine.step()
                 for k in ks:  # two steps per k: the first pays for switching, the second is the cell
                     # the acceptance cell (largest k) records the draft's confidences: the curve budget starts from
-                    _, kept = visit(engine, FixedPlan(k) if k == max(ks) else FixedK(k), seen)
+                    kept = visit(engine, FixedPlan(k) if k == max(ks) else FixedK(k), seen).kept
                     if r:
                         samples[k].append(kept)
                         contexts.append(statistics.fmean(len(q.prompt_ids) + q.stats.generated_tokens for q in reqs))
