@@ -91,13 +91,16 @@ def g_test(counts: torch.Tensor, expected_p: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.double), g / 2))
 
 
-def sample_joint(target, draft, params: dict, policy=4, prompt_lookup=False, trials=TRIALS):
+def sample_joint(target, draft, params: dict, policy=4, prompt_lookup=False, trials=TRIALS, one_pass=False):
     """Serve the prompt `trials` times, unseeded: the 2nd and 3rd tokens' joint counts, and how often the first
-    drafted token was accepted (the chance the rejection test is reached past position 0)."""
+    drafted token was accepted (the chance the rejection test is reached past position 0). one_pass: the workers
+    take a GPU's path (`ModelWorker.one_pass`: draws kept on the device, `sampling.accept_all`)."""
     worker = draft_worker(draft, prompt_lookup=prompt_lookup) if draft is not None else None
     engine = Engine(ModelWorker(target, "target"), worker, IdTokenizer(),
                     EngineConfig(max_batch_size=256, max_k=8, max_num_tokens=1 << 20, max_num_batched_tokens=8192),
                     policy=FixedK(policy) if isinstance(policy, int) else policy, eos_ids=set())
+    if one_pass:
+        engine.target.one_pass = worker.one_pass = True
     reqs = [engine.submit(PROMPT, SamplingParams(max_tokens=3, **params)) for _ in range(trials)]
     engine.run(reqs)
     counts = torch.zeros(VOCAB, VOCAB)
@@ -149,16 +152,24 @@ CASES = {  # name: (draft, sampling params, policy, prompt lookup)
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_unseeded_sampling_is_exact_and_a_planted_bias_is_caught(target, case, monkeypatch):
+def test_unseeded_sampling_is_exact(target, case):
+    make, params, policy, lookup = CASES[case]
+    exact = exact_joint(target, PROMPT, params)
+    counts, acceptance = sample_joint(target, make(target), params, Plans() if policy == "plans" else policy, lookup)
+    assert acceptance >= 0.2, f"{case}: only {acceptance:.0%} of first drafts accepted: acceptance barely exercised"
+    p = g_test(counts, exact)
+    assert p > ALPHA, f"{case}: the joint of tokens 1-2 differs from the target's (G-test p = {p:.2e})"
+
+
+# The test's power, case by case: one case in `make test`, the others (about 100 s here) in the slow tier, which CI runs.
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[] if c == "per-row-lookup" else pytest.mark.slow)
+                                  for c in CASES])
+def test_a_planted_bias_is_caught(target, case, monkeypatch):
     make, params, policy, lookup = CASES[case]
     draft = make(target)
     exact = exact_joint(target, PROMPT, params)
     pick = (lambda: Plans()) if policy == "plans" else (lambda: policy)
-    counts, acceptance = sample_joint(target, draft, params, pick(), lookup)
-    assert acceptance >= 0.2, f"{case}: only {acceptance:.0%} of first drafts accepted: acceptance barely exercised"
-    p = g_test(counts, exact)
-    assert p > ALPHA, f"{case}: the joint of tokens 1-2 differs from the target's (G-test p = {p:.2e})"
-    # power: the planted bias is caught by the same test on twice the trials (on as many, p lands within a few
+    # power: the planted bias is caught by the G-test above on twice the trials (on as many, p lands within a few
     # powers of ten of ALPHA: a random stream can miss it)
     monkeypatch.setattr(sampling, "accept_rejection", biased)
     bad, _ = sample_joint(target, draft, params, pick(), lookup, trials=2 * TRIALS)
@@ -167,6 +178,25 @@ def test_unseeded_sampling_is_exact_and_a_planted_bias_is_caught(target, case, m
     if isinstance(draft, torch.nn.Module) and not isinstance(draft, Eagle3Draft):
         alone, _ = sample_joint(draft, None, params, 0, trials=TRIALS // 4)  # the draft's own text
         assert g_test(alone, exact) < ALPHA, f"{case}: the draft alone passes for the target: no power"
+
+
+@pytest.mark.slow  # ~15 s; `accept_all` gives the walk's tokens from the same randomness (tests/test_speculative.py)
+def test_unseeded_sampling_in_one_pass_is_exact_and_a_planted_bias_is_caught(target, monkeypatch):
+    """A GPU's path (`one_pass`: the draft's draws kept on the device, every row and position decided at once by
+    `sampling.accept_all`) on the torch ops: the exact joint, and the planted bias caught."""
+    from serve_app.engine import worker
+
+    make, params, _, _ = CASES["layers-top-k"]
+    draft = make(target)
+    exact = exact_joint(target, PROMPT, params)
+    calls, real = [], worker.accept_all
+    monkeypatch.setattr(worker, "accept_all", lambda *a: calls.append(1) or real(*a))
+    counts, acceptance = sample_joint(target, draft, params, 4, one_pass=True)
+    assert calls  # the one-pass verdicts were the ones counted
+    assert acceptance >= 0.2 and g_test(counts, exact) > ALPHA, (acceptance, g_test(counts, exact))
+    monkeypatch.setattr(sampling, "accept_rejection", biased)
+    bad, _ = sample_joint(target, draft, params, 4, trials=2 * TRIALS, one_pass=True)
+    assert g_test(bad, exact) < ALPHA, "a 10% acceptance bias went unnoticed in one pass"
 
 
 @pytest.mark.parametrize("case", ["eagle3-top-p", "layers-top-k", "per-row-lookup"])

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BLOCKED = "ray", "matplotlib", "gguf", "openai", "fastapi"
 
 
+@pytest.mark.slow  # ~2 min: every check and stage in a child process; CI runs it with the slow tier
 def test_quick_cpu_campaign_passes_without_ray_or_matplotlib(tmp_path):
     """The GPU campaign's command (`selfcheck --full`) with --device cpu --quick: every check, then every stage
     (attention, profile, its context axis, the replay on it, policies), each with its results files."""

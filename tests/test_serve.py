@@ -1566,6 +1566,7 @@ def test_guidellm_runs_a_concurrent_benchmark_with_no_errors(smol, service, tmp_
     assert totals["errored"] == totals["incomplete"] == 0 and totals["successful"] == totals["total"] >= 7, totals
 
 
+@pytest.mark.slow  # ~75 s with the node's teardown; CI runs it with the slow tier
 def test_losing_a_node_moves_its_groups_traffic_to_the_other_group(service):
     """Last in the module (it takes node B away). Clients keep sending greedy requests while node B,
     with group B's Router and workers, is removed from the cluster: every request ends (none hangs),
