@@ -40,7 +40,7 @@ run: install  ## offline: generate completions for the example prompts on the em
 test: install prometheus  ## the whole default test suite (CPU, no network)
 	$(PY) -m pytest -q
 
-test-slow: install  ## the tests marked slow, left out of `make test` (guidellm's load run, the .gguf conversion checks)
+test-slow: install  ## the tests marked slow, left out of `make test` (guidellm's load run, the lost node, the CPU campaign, ...)
 	$(PY) -m pytest -q -m slow
 
 # Prometheus and promtool, Debian's package, for the monitoring test (tests/test_loadtest.py: a real Prometheus

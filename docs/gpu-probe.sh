@@ -11,7 +11,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if [ -n "${DRY:-}" ]; then
   DEV=cpu SHAPE=tiny-128k:3 DTYPE=float32 QUICK=--quick BATCHES=1,4  # eager flex on a CPU is dense over the pool
-  export SPECSERVE_ATTENTION_BACKEND=flex SPECSERVE_STATIC_STEPS=eager  # a CPU's defaults: gather, static off
+  # a CPU's defaults are gather, static off and the walk: the GPU's paths instead (one_pass: one-pass acceptance)
+  export SPECSERVE_ATTENTION_BACKEND=flex SPECSERVE_STATIC_STEPS=eager SPECSERVE_ONE_PASS=1
 else
   DEV=cuda SHAPE=llama-3.1-8b:32 DTYPE=bfloat16 QUICK= BATCHES=1,8,32
   $PY -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1

@@ -180,10 +180,11 @@ def test_a_planted_bias_is_caught(target, case, monkeypatch):
         assert g_test(alone, exact) < ALPHA, f"{case}: the draft alone passes for the target: no power"
 
 
-@pytest.mark.slow  # ~15 s; `accept_all` gives the walk's tokens from the same randomness (tests/test_speculative.py)
-def test_unseeded_sampling_in_one_pass_is_exact_and_a_planted_bias_is_caught(target, monkeypatch):
+@pytest.mark.slow  # ~10 s; `accept_all` gives the walk's tokens from the same randomness (tests/test_speculative.py)
+def test_unseeded_sampling_in_one_pass_is_exact(target, monkeypatch):
     """A GPU's path (`one_pass`: the draft's draws kept on the device, every row and position decided at once by
-    `sampling.accept_all`) on the torch ops: the exact joint, and the planted bias caught."""
+    `sampling.accept_all`) on the torch ops: the exact joint (the G-test's power: the planted-bias tests above, which
+    `accept_all` would fail as the walk does: it calls the same `accept_rejection`)."""
     from serve_app.engine import worker
 
     make, params, _, _ = CASES["layers-top-k"]
@@ -194,9 +195,6 @@ def test_unseeded_sampling_in_one_pass_is_exact_and_a_planted_bias_is_caught(tar
     counts, acceptance = sample_joint(target, draft, params, 4, one_pass=True)
     assert calls  # the one-pass verdicts were the ones counted
     assert acceptance >= 0.2 and g_test(counts, exact) > ALPHA, (acceptance, g_test(counts, exact))
-    monkeypatch.setattr(sampling, "accept_rejection", biased)
-    bad, _ = sample_joint(target, draft, params, 4, trials=2 * TRIALS, one_pass=True)
-    assert g_test(bad, exact) < ALPHA, "a 10% acceptance bias went unnoticed in one pass"
 
 
 @pytest.mark.parametrize("case", ["eagle3-top-p", "layers-top-k", "per-row-lookup"])

@@ -20,6 +20,7 @@ the next forward. `add` starts a sequence on the cached blocks its prompt begins
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -185,10 +186,11 @@ class ModelWorker:
         self.ahead: tuple | None = None
         """A step looked ahead (`look_ahead`): (its rows, its Verdict or None while it runs, what undoes it)."""
         self.ahead_used = 0  # looked-ahead steps a verification was answered with
-        self.one_pass = self.device.type == "cuda"
+        self.one_pass = {"1": True, "0": False}.get(os.environ.get("SPECSERVE_ONE_PASS", ""), self.device.type == "cuda")
         """A batch without controls is accepted in one vectorized pass (`sampling.accept_all`: every position's logits
         in one pass over the output projection, one read-back) instead of the walk's read per position: on a GPU,
-        where each read stalls the stream and the projection's cost is its weights, not its rows."""
+        where each read stalls the stream and the projection's cost is its weights, not its rows. The environment's
+        SPECSERVE_ONE_PASS (1 / 0) overrides the device's default (a CPU run of a GPU's path; a GPU without it)."""
         self.static: StaticSteps | None = None
         """Decoding and verification forwards at bucketed shapes, replayed as CUDA graphs (`configure_kv`)."""
 

@@ -114,7 +114,8 @@ def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int],
         samples: dict[int, list[Visit]] = {k: [] for k in visits}
         resumes: list[tuple[int, StepStats]] = []  # (k, switch step) right after a k = 0 visit
         prev = r = 0
-        while r < rounds or (r <= max_reps and _worst(samples, clock) > agree):
+        # with `agree`: at least two recorded rounds (one visit agrees with nothing), then on while a cell disagrees
+        while r < rounds or (r <= max_reps and (r < 3 or _worst(samples, clock) > agree)):
             if r >= rounds:
                 bar.total += len(visits)  # a round past `reps`: the cells do not agree yet
             # Fresh requests every round: contexts stay at a chat answer's length (prompt + up to one
