@@ -560,8 +560,6 @@ class ModelWorker:
         dev = self.device
         k = proposal.tokens.shape[1]
         bsz = len(seqs)
-        greedy = torch.tensor([s.params.greedy for s in seqs], device=dev)
-        seeded = torch.tensor([_coupled(s) for s in seqs], device=dev)
         # Per row and position: a seeded row's noise key comes from (seed, position); an unseeded sampled
         # row draws a random key (its recovered / bonus token) and k uniforms (its accept tests) from the
         # worker's stream, the batch's in one call each: a few numbers per row, not vocabulary-sized.
@@ -587,6 +585,8 @@ class ModelWorker:
                                                q_values, q_ids, u)
             num_acc, next_tok = torch.stack([num_acc, next_tok]).tolist()
             return num_acc, next_tok
+        greedy = torch.tensor([s.params.greedy for s in seqs], device=dev)
+        seeded = torch.tensor([_coupled(s) for s in seqs], device=dev)
         controls, process = Controls.of(seqs, dev), None
         if controls is not None:
             drafts = proposal.drafts()
