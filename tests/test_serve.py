@@ -1276,7 +1276,6 @@ CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
 
 
-@pytest.mark.slow  # the embedded model's application (the `smol` fixture), paid in the slow tier with guidellm's run
 def test_json_schema_output_is_valid_json_plain_and_streamed(smol):
     msgs = [{"role": "user", "content": "Describe a person as JSON."}]
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
@@ -1290,7 +1289,6 @@ def test_json_schema_output_is_valid_json_plain_and_streamed(smol):
     assert r.choices[0].message.content in ("yes", "no")
 
 
-@pytest.mark.slow  # the embedded model's application (the `smol` fixture), paid in the slow tier with guidellm's run
 def test_forced_tool_calls_on_the_embedded_model(smol):
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
     r = smol.chat.completions.create(model="smol", messages=msgs, max_tokens=40, temperature=0, tools=[WEATHER, CLOCK],
@@ -1433,7 +1431,6 @@ def test_fuzzed_bodies_never_get_a_5xx(service):
     assert httpx.get(f"{service['url']}/readyz", timeout=30).status_code == 200  # and it still serves
 
 
-@pytest.mark.slow  # the embedded model's application (the `smol` fixture), paid in the slow tier with guidellm's run
 def test_predicted_outputs_and_vllm_extras_through_the_service(smol, service):
     """A chat that repeats a text, with the text as its prediction: the same answer in fewer steps, usage
     counting the prediction; vLLM's surface (/health, request_id, return_token_ids) through Serve's proxy."""
@@ -1460,7 +1457,6 @@ class Person(BaseModel):
     age: int
 
 
-@pytest.mark.slow  # the embedded model's application (the `smol` fixture), paid in the slow tier with guidellm's run
 def test_langchain_openai_invokes_streams_structures_and_calls_tools(smol):
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
@@ -1481,7 +1477,6 @@ def test_langchain_openai_invokes_streams_structures_and_calls_tools(smol):
     assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
 
 
-@pytest.mark.slow  # the embedded model's application (the `smol` fixture), paid in the slow tier with guidellm's run
 def test_openai_agents_on_chat_and_responses_models(smol):
     import asyncio
 
@@ -1518,7 +1513,6 @@ def test_openai_agents_on_chat_and_responses_models(smol):
     assert n > 3 and text
 
 
-@pytest.mark.slow  # the embedded model's application (the `smol` fixture), paid in the slow tier with guidellm's run
 def test_instructor_in_tools_json_schema_and_responses_modes(smol):
     import instructor
     from openai import OpenAI
