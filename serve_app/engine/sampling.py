@@ -587,8 +587,8 @@ def accept_all(
     rest = [b for b, kind in enumerate(kinds) if kind != "greedy"]
     if rest:
         flat = [b for b in rest for _ in range(width)]  # each row's positions, in order: rows of [R * (k+1), V]
-        at = _index(flat, dev)
-        x = warp_(logits.index_select(0, _index(rest, dev)).reshape(-1, vocab), w.rows(at, flat), reads=False)
+        at, rest_at = _index(flat, dev), _index(rest, dev)
+        x = warp_(logits.index_select(0, rest_at).reshape(-1, vocab), w.rows(at, flat), reads=False)
         pos = torch.arange(width, device=dev).repeat(len(rest))  # [R * (k+1)]
         row_keys = keys[at, pos]
         choice = gumbel_argmax(x, row_keys, reads=False)  # seeded rows' coupled choice; sampled rows' bonus token
@@ -605,7 +605,7 @@ def accept_all(
             tested = torch.tensor([lengths[flat[i]] > i % width for i in plain], device=dev)
             choice[p_i] = torch.where(tested, recovered, choice[p_i])  # past its last draft: the bonus token
             accepted[rb, j] = ok
-        token[_index(rest, dev)] = choice.view(len(rest), width)
+        token[rest_at] = choice.view(len(rest), width)
     by_choice = [b for b, kind in enumerate(kinds) if kind != "sampled"]  # greedy and seeded: accepted while equal
     if by_choice and k:
         c = _index(by_choice, dev)

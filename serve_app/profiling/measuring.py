@@ -73,12 +73,15 @@ def clock_of(engine: Engine) -> str:
     return "events" if engine.target.device.type == "cuda" else "wall"
 
 
+def part_s(v: Visit, part: str, clock: str) -> float:
+    """One visit's `part` (`draft` or `verify`) in seconds: device work by the workers' clocks with `clock` = events,
+    the host's wall clock around the engine's call otherwise."""
+    return getattr(v, f"{part}_device_s") if clock == "events" else getattr(v.kept, f"{part}_s")
+
+
 def part_ms(visits: list[Visit], part: str, clock: str) -> float:
-    """The median of `part` (`draft` or `verify`) over `visits`, in ms: device work by the workers' clocks with
-    `clock` = events, the host's wall clock around the engine's call otherwise."""
-    if clock == "events":
-        return round(statistics.median(getattr(v, f"{part}_device_s") for v in visits) * 1000, 3)
-    return round(statistics.median(getattr(v.kept, f"{part}_s") for v in visits) * 1000, 3)
+    """The median of `part` over `visits` (`part_s`), in ms."""
+    return round(statistics.median(part_s(v, part, clock) for v in visits) * 1000, 3)
 
 
 def spread(values: list[float]) -> float:

@@ -36,7 +36,7 @@ from serve_app.bench.prompt_sets import PROFILE_PROMPTS, chat_prompts
 from serve_app.hardware import detect_gpu_type
 from serve_app.pricing import LatencyGrid, best_k_table, ms_per_token
 from serve_app.profiling.context import measure_chunk_context, scaled_to
-from serve_app.profiling.measuring import BUDGET, Visit, clock_of, measuring_engine, part_ms, spread, visit
+from serve_app.profiling.measuring import BUDGET, Visit, clock_of, measuring_engine, part_ms, part_s, spread, visit
 from serve_app.profiling.profiles import Profile, fit_acceptance_rate, load_profile, save_profile
 from serve_app.engine.scheduler import Engine
 from serve_app.engine.stats import StepStats
@@ -54,9 +54,7 @@ def _total_ms(st: StepStats) -> float:
 
 def _step_ms(v: Visit, clock: str) -> float:
     """A visit's draft + verification time by `clock` (what `spread` compares between rounds)."""
-    if clock == "events":
-        return (v.draft_device_s + v.verify_device_s) * 1000
-    return (v.kept.draft_s + v.kept.verify_s) * 1000
+    return (part_s(v, "draft", clock) + part_s(v, "verify", clock)) * 1000
 
 
 def _worst(samples: dict[int, list[Visit]], clock: str) -> float:
@@ -96,7 +94,6 @@ def measure_latency(models: LoadedModels, batch_sizes: list[int], ks: list[int],
     resume_ms, contexts, spreads = [], [], []
     host = {"host_draft_ms": [], "host_verify_ms": []}
     max_reps = max(reps, max_reps or reps) if agree is not None else reps
-    clock = "wall"
     chunk: dict[str, list[float]] = {name: [] for name in ("chunk_step_ms", "chunk_ms_per_token", "chunk_draft_step_ms",
                                                            "chunk_draft_ms_per_token")}
     chunk_prompt = None
