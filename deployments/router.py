@@ -640,8 +640,9 @@ class Router:
                 except Exception:
                     log.warning("could not share the calibrated profile", exc_info=True)
             if version != self.profile_version:
-                self.profile_version, self.profile = version, profile
-                self.shared = await self._fetch_shared()  # a measured or predicted push dropped the old one
+                shared = await self._fetch_shared()  # a measured or predicted push dropped the old one
+                # no await from here on: stats() never shows the new version with the old policy
+                self.profile_version, self.profile, self.shared = version, profile, shared
                 self.engine.policy = self._policy()  # the next step uses it
                 self._profile_gauge()
                 log.info("profile for %s now version %d (%s)", self.gpu_type, version, self.profile_source())

@@ -1428,7 +1428,8 @@ def _cmd_profiles_push(args) -> int:
     from ray import serve
 
     try:
-        ray.init(address=args.address, logging_level="ERROR", log_to_driver=False)
+        # a driver already connected (a notebook, a test) pushes over its own connection
+        ray.init(address=args.address, logging_level="ERROR", log_to_driver=False, ignore_reinit_error=True)
         version = serve.get_deployment_handle("ProfileStore", app_name=args.app).push.remote(profile.model_dump()).result()
     except ConnectionError as e:
         raise UsageError(f"no running Ray cluster at {args.address}: {e}") from None

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import urllib.parse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -39,10 +40,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_loadtest(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+def loadtest(args: list[str]) -> dict:
+    """`python -m loadtest.run ARGS` as subprocess keyword arguments."""
     env = {k: v for k, v in os.environ.items() if k != "LOCUST_SKIP_MONKEY_PATCH"}
-    return subprocess.run([sys.executable, "-m", "loadtest.run", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return {"args": [sys.executable, "-m", "loadtest.run", *args], "cwd": ROOT, "env": env}
+
+
+def run_loadtest(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(**loadtest(args), capture_output=True, text=True, timeout=timeout)
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -444,6 +449,7 @@ def test_prometheus_evaluates_every_dashboard_query_and_the_alert_rules(live, tm
                                f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
                                "--log.level=warn"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     api = f"http://127.0.0.1:{port}/api/v1"
+    run = None  # the Locust run, once Prometheus is up
 
     def query(expr: str) -> list[dict]:
         r = httpx.get(f"{api}/query", params={"query": expr}, timeout=10).json()
@@ -459,9 +465,10 @@ def test_prometheus_evaluates_every_dashboard_query_and_the_alert_rules(live, tm
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        run = threading.Thread(target=run_loadtest, args=(["--url", live["url"], "--shape", "step", "--duration", "40",
-                                                            "--max-tokens", "16", "--out", str(tmp_path / "locust")],))
-        run.start()
+        # traffic until every query answered (then stopped: its own results are the smoke run's to check)
+        run = subprocess.Popen(**loadtest(["--url", live["url"], "--shape", "step", "--duration", "40", "--max-tokens", "16",
+                                           "--out", str(tmp_path / "locust")]),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         for _ in range(3):  # refused by the engine (past the context limit): a status other than 200
             httpx.post(f"{live['url']}/v1/completions", timeout=60,
                        json={"model": "tiny", "prompt": "the cat sat " * 120, "max_tokens": 4})
@@ -481,7 +488,9 @@ def test_prometheus_evaluates_every_dashboard_query_and_the_alert_rules(live, tm
         assert {r["name"] for g in rules for r in g["rules"] if r["type"] == "alerting"} == {
             "SpecserveErrorRatioHigh", "SpecserveQueueTimeHigh", "SpecserveKVPoolFull", "SpecserveAcceptanceCollapse"}
         assert all(r["health"] == "ok" for g in rules for r in g["rules"]), rules
-        run.join(timeout=120)
     finally:
+        if run is not None:  # loadtest.run and the Locust it started
+            os.killpg(run.pid, signal.SIGTERM)
+            run.wait(timeout=30)
         server.terminate()
         server.wait(timeout=30)

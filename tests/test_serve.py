@@ -6,8 +6,11 @@ advertising its accelerator type as Ray does for GPUs; each group has its own pr
 Tiny float64 models. The module's last test removes node B under load.
 """
 
+import contextlib
+import io
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -45,10 +48,28 @@ def write_profile(path, gpu_type, k, **extra):
     return str(path)
 
 
-def push(path) -> subprocess.CompletedProcess:
-    address = ray.get_runtime_context().gcs_address
-    return subprocess.run([sys.executable, "-m", "serve_app.cli", "profiles", "push", str(path), "--address", address],
-                          capture_output=True, text=True, timeout=120)
+def push(path, own_process: bool = False) -> subprocess.CompletedProcess:
+    """`specserve profiles push` to the module's cluster: in this process (its driver already connected) unless
+    `own_process`, as an operator runs it (each such process takes seconds to start Python and join the cluster)."""
+    args = ["profiles", "push", str(path), "--address", ray.get_runtime_context().gcs_address]
+    if own_process:
+        return subprocess.run([sys.executable, "-m", "serve_app.cli", *args], capture_output=True, text=True, timeout=120)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main(args)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def pushed(path, group: str = "A", own_process: bool = False) -> dict:
+    """Push the profile at `path`, then return the group's Router stats once it polled that version (every 0.5 s
+    here): no fixed sleep to wait out."""
+    proc = push(path, own_process)
+    assert proc.returncode == 0, proc.stderr
+    version = int(re.search(r"now version (\d+)", proc.stdout)[1])
+    deadline = time.monotonic() + 30
+    while (st := stats(group))["profile_version"] != version and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return st
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +123,10 @@ def service(tmp_path_factory):
                "metrics": lambda: [f"http://127.0.0.1:{n.metrics_export_port}/metrics" for n in [cluster.head_node, *nodes.values()]],
                "client": OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)}
     finally:
-        if ray.is_initialized():
-            serve.shutdown()
-            ray.shutdown()
+        # no serve.shutdown(): its graceful stop of every replica took ~20 s, and the cluster's end stops them all;
+        # this process forgets the controller it cached (a later session's job id could match this one's)
+        serve.context._set_global_client(None)
+        ray.shutdown()
         cluster.shutdown()
         os.environ.pop("RAY_metrics_report_interval_ms")
 
@@ -475,10 +497,8 @@ def test_api_key_is_required_when_set(service):
 
 def test_profile_push_changes_k_without_restart(service, tmp_path):
     before = stats("A")
-    proc = push(write_profile(tmp_path / "A.json", "A", 2))
-    assert proc.returncode == 0, proc.stderr
-    assert "now version 2" in proc.stdout
-    time.sleep(1.5)  # routers poll every 0.5 s
+    # as an operator runs it, in a process of its own
+    assert pushed(write_profile(tmp_path / "A.json", "A", 2), own_process=True)["profile_version"] == 2
     service["client"].completions.create(model=MODEL, prompt="the cat", max_tokens=20, temperature=0)
     after = stats("A")
     assert after["profile_version"] == 2 and after["k_steps"].get(2, 0) > 0
@@ -499,16 +519,13 @@ def test_profile_push_changes_k_without_restart(service, tmp_path):
 
 
 def test_profile_for_another_model_pair_is_not_used(service, tmp_path):
-    assert push(write_profile(tmp_path / "A.json", "A", 3, draft="another-draft")).returncode == 0
-    time.sleep(1.5)
+    pushed(write_profile(tmp_path / "A.json", "A", 3, draft="another-draft"))
     service["client"].completions.create(model=MODEL, prompt="the dog", max_tokens=12, temperature=0)
     st = stats("A")
     assert "measured with target 'target' and draft 'another-draft'" in st["profile_problem"]
     assert st["policy"] == "none" and st["k_steps"].get(3, 0) == 0  # decodes plainly, never with the wrong table
     # the right pair, measured in another dtype (a float32 profile for this float64 group): refused too
-    assert push(write_profile(tmp_path / "A.json", "A", 3, dtype="float32")).returncode == 0
-    time.sleep(1.5)
-    st = stats("A")
+    st = pushed(write_profile(tmp_path / "A.json", "A", 3, dtype="float32"))
     assert "measured in float32, but this engine runs float64" in st["profile_problem"] and st["policy"] == "none"
 
 
@@ -517,10 +534,8 @@ def test_adaptive_policy_live_estimate_in_stats_and_metrics(service, tmp_path):
     grid = {"batch_sizes": [1, 16], "ks": [0, 1, 2, 3], "draft_ms": [[0, 0, 0, 0]] * 2,
             "verify_ms": [[10, 10, 10, 10]] * 2, "other_ms": [[0, 0, 0, 0]] * 2}
     start = 0.95  # the profile's acceptance, far above what this random pair achieves
-    assert push(write_profile(tmp_path / "A.json", "A", 1, latency=grid, acceptance_rate=start)).returncode == 0
+    st = pushed(write_profile(tmp_path / "A.json", "A", 1, latency=grid, acceptance_rate=start))
     router = serve.get_deployment_handle("Router-A", "specserve")
-    time.sleep(1.5)
-    st = stats("A")
     assert st["policy"] == "lut" and st["profile_problem"] is None
     assert st["acceptance_estimate"] != pytest.approx(start)  # under lut: the router's own estimate
     router.reconfigure.remote({"policy": "adaptive"}).result()
@@ -552,13 +567,11 @@ def test_adaptive_policy_live_estimate_in_stats_and_metrics(service, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def eagle_client(service):
-    """A second application on the module's cluster: the tiny target with an EAGLE-3 head saved in the
-    published layout (vLLM/SGLang's), one engine group, fixed k = 3. The target's features cross from the
-    TargetWorker actor to the DraftWorker actor with every verification."""
+def eagle_head(service) -> str:
+    """The tiny target's EAGLE-3 head saved in the published layout (vLLM/SGLang's): a draft whose proposals need
+    the target's features, which cross from the TargetWorker actor to the DraftWorker actor with every verification."""
     import torch
 
-    from deployments.app import build_app
     from serve_app.drafting.eagle3 import Eagle3Draft
     from serve_app.drafting.eagle3_io import export_eagle3
     from serve_app.models import load_target
@@ -566,15 +579,7 @@ def eagle_client(service):
     head = service["root"] / "eagle3-head"
     target = load_target(service["model"]["target"], "float64")[0]
     export_eagle3(Eagle3Draft.from_target(target, torch.arange(target.config.vocab_size), [0, 1, 2]), head, target)
-    cfg = {
-        "model": {**service["model"], "draft": str(head)},
-        "engine": {"policy": "fixed:3", "max_batch_size": 4, "max_model_len": 96},
-        "groups": [{"name": "E", "gpu_type": "E", "torch_threads": 1}],
-        "served_model_name": "tiny-eagle", "profiles_dir": None, "max_tokens_limit": 64,
-    }
-    serve.run(build_app(cfg), name="eagle", route_prefix="/eagle")
-    yield OpenAI(base_url=f"{service['url']}/eagle/v1", api_key="unused", max_retries=0, timeout=120)
-    serve.delete("eagle")
+    return str(head)
 
 
 def target_alone(service, tmp_path) -> list[str]:
@@ -586,26 +591,18 @@ def target_alone(service, tmp_path) -> list[str]:
     return [json.loads(x)["text"] for x in (tmp_path / "out.jsonl").read_text().splitlines()]
 
 
-def test_eagle3_head_across_actors_gives_the_target_alone_text(service, eagle_client, tmp_path):
-    expected = target_alone(service, tmp_path)
-    for p, text in zip(PROMPTS, expected):
-        r = eagle_client.completions.create(model="tiny-eagle", prompt=p, max_tokens=16, temperature=0)
-        assert r.choices[0].text == text and r.usage.completion_tokens == 16
-    st = serve.get_deployment_handle("Router-E", "eagle").stats.remote().result()
-    assert st["policy"] == "fixed:3" and st["k_steps"].get(3, 0) > 0  # it speculated, with the head's proposals
-
-
 @pytest.fixture(scope="module")
 def direct(service):
     """An app whose ingress hosts its one group's Router (`AppConfig.router_in_ingress`, what `specserve serve`
-    deploys): tokens reach the HTTP response with no Ray hop between deployments."""
+    deploys): tokens reach the HTTP response with no Ray hop between deployments. Policy none (as `specserve serve
+    --policy none`: no draft started) with `EngineConfig.look_ahead`: while a step's tokens stream, the target
+    already runs the next step (`ModelWorker.look_ahead`)."""
     from deployments.app import build_app
 
-    cfg = {
-        "model": service["model"], "engine": {"policy": "fixed:2", "max_batch_size": 2, "max_model_len": 96},
-        "groups": [{"name": "D", "gpu_type": "D", "torch_threads": 1}], "router_in_ingress": True,
-        "served_model_name": "tiny-direct", "profiles_dir": None, "max_tokens_limit": 96, "health_check_period_s": 1,
-    }
+    cfg = {"model": {"target": service["model"]["target"], "dtype": "float64"},
+           "engine": {"policy": "none", "max_batch_size": 2, "max_model_len": 96, "look_ahead": True},
+           "groups": [{"name": "D", "gpu_type": "D", "torch_threads": 1}], "router_in_ingress": True,
+           "served_model_name": "tiny-direct", "profiles_dir": None, "max_tokens_limit": 96, "health_check_period_s": 1}
     serve.run(build_app(cfg), name="direct", route_prefix="/direct")
     yield {"url": f"{service['url']}/direct",
            "client": OpenAI(base_url=f"{service['url']}/direct/v1", api_key="unused", max_retries=0, timeout=120)}
@@ -627,8 +624,7 @@ def test_router_in_the_ingress_streams_the_target_alone_text_with_no_router_depl
     assert httpx.get(f"{direct['url']}/readyz", timeout=30).status_code == 200
     ingress = serve.get_deployment_handle("OpenAIIngress", "direct")
     assert ingress.breakdown.remote().result()["D"]["steps"] > 0  # `specserve breakdown` reads them through the ingress
-    st = ingress.stats.remote().result()["D"]
-    assert st["policy"] == "fixed:2" and st["k_steps"].get(2, 0) > 0  # the hosted Router speculated
+    assert ingress.stats.remote().result()["D"]["policy"] == "none"  # the hosted Router's own stats
 
 
 def test_router_in_the_ingress_aborts_a_stream_its_client_leaves(service, direct):
@@ -649,73 +645,59 @@ def test_router_in_the_ingress_aborts_a_stream_its_client_leaves(service, direct
     assert requests_by_status(service, "D").get("499", 0) == before + 2
 
 
-def test_a_target_looking_ahead_streams_the_target_alone_text(service, tmp_path):
-    """Policy none with the Router in the ingress (what `specserve serve --policy none` deploys; the default draft
-    is then not started) and `EngineConfig.look_ahead`: while a step's tokens stream, the target already runs the
-    next step (`ModelWorker.look_ahead`). The texts are the target alone's, one at a time and with a request waiting for a
+def test_a_target_looking_ahead_streams_the_target_alone_text(service, direct, tmp_path):
+    """The target looking ahead gives the target alone's texts, one at a time and with a request waiting for a
     batch place; a seeded text is what the speculating app gives; most steps were answered from a look-ahead."""
-    from deployments.app import build_app
-
-    cfg = {"model": {"target": service["model"]["target"], "dtype": "float64"},
-           "engine": {"policy": "none", "max_batch_size": 2, "max_model_len": 96, "look_ahead": True},
-           "groups": [{"name": "N", "gpu_type": "N", "torch_threads": 1}], "router_in_ingress": True,
-           "served_model_name": "tiny-none", "profiles_dir": None, "max_tokens_limit": 96, "health_check_period_s": 1}
-    serve.run(build_app(cfg), name="ahead", route_prefix="/ahead")
-    try:
-        client = OpenAI(base_url=f"{service['url']}/ahead/v1", api_key="unused", max_retries=0, timeout=120)
-        expected = target_alone(service, tmp_path)
-        ingress = serve.get_deployment_handle("OpenAIIngress", "ahead")
-        ingress.breakdown.remote().result()  # a fresh window
-        ask = lambda p: "".join(c.choices[0].text for c in client.completions.create(  # noqa: E731
-            model="tiny-none", prompt=p, max_tokens=16, temperature=0, stream=True))
-        assert [ask(p) for p in PROMPTS] == expected
-        split = ingress.breakdown.remote().result()["N"]
-        assert "draft" not in split and split["target"]["ahead_hits"] >= 0.5, split
-        with ThreadPoolExecutor(3) as pool:  # rows join and leave: look-aheads undone, never a wrong token
-            assert list(pool.map(ask, PROMPTS)) == expected
-        seeded = {"prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0.8, "seed": 5}
-        assert (client.completions.create(model="tiny-none", **seeded).choices[0].text
-                == service["client"].completions.create(model=MODEL, **seeded).choices[0].text)
-    finally:
-        serve.delete("ahead")
+    client = direct["client"]
+    expected = target_alone(service, tmp_path)
+    ingress = serve.get_deployment_handle("OpenAIIngress", "direct")
+    ingress.breakdown.remote().result()  # a fresh window
+    ask = lambda p: "".join(c.choices[0].text for c in client.completions.create(  # noqa: E731
+        model="tiny-direct", prompt=p, max_tokens=16, temperature=0, stream=True))
+    assert [ask(p) for p in PROMPTS] == expected
+    split = ingress.breakdown.remote().result()["D"]
+    assert "draft" not in split and split["target"]["ahead_hits"] >= 0.5, split
+    with ThreadPoolExecutor(3) as pool:  # rows join and leave: look-aheads undone, never a wrong token
+        assert list(pool.map(ask, PROMPTS)) == expected
+    seeded = {"prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0.8, "seed": 5}
+    assert (client.completions.create(model="tiny-direct", **seeded).choices[0].text
+            == service["client"].completions.create(model=MODEL, **seeded).choices[0].text)
 
 
-def test_a_replica_with_no_usable_profile_measures_one_at_startup_and_drafts_per_row(service, tmp_path):
+def test_a_replica_with_no_usable_profile_measures_one_at_startup_and_drafts_per_row(service, eagle_head, tmp_path):
     """EngineConfig.startup_profile (its default): a group whose store holds no usable profile (here one measured
     on this very host, but in float32 for a float64 engine) measures a short one before it serves instead of
     decoding without speculation, steers `budget` by it (no profile problem, k > 0 steps), reports its cost and
-    regret, and its greedy text is the target's alone."""
+    regret, and its greedy text is the target's alone. Its draft is the EAGLE-3 head, across actors: the target's
+    features cross from the TargetWorker actor to the DraftWorker actor with every verification."""
     import socket
 
     from deployments.app import build_app
+    from serve_app.models import display_name
 
     (tmp_path / "profiles").mkdir()
-    write_profile(tmp_path / "profiles" / "P.json", "P", 2, dtype="float32", machine=socket.gethostname())
-    cfg = {"model": service["model"], "engine": {"policy": "budget", "max_batch_size": 4},
+    write_profile(tmp_path / "profiles" / "P.json", "P", 2, draft=display_name(eagle_head), dtype="float32",
+                  machine=socket.gethostname())
+    cfg = {"model": {**service["model"], "draft": eagle_head}, "engine": {"policy": "budget", "max_batch_size": 4},
            "groups": [{"name": "P", "gpu_type": "P", "torch_threads": 1}],
            "served_model_name": "tiny-p", "profiles_dir": str(tmp_path / "profiles"), "max_tokens_limit": 64}
     serve.run(build_app(cfg), name="startup", route_prefix="/startup")
     try:
         client = OpenAI(base_url=f"{service['url']}/startup/v1", api_key="unused", max_retries=0, timeout=120)
-        (tmp_path / "in.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:3]))
-        assert cli_main(["generate", "--prompts", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "out.jsonl"),
-                         "--target", service["model"]["target"], "--dtype", "float64", "--max-tokens", "16",
-                         "--policy", "none"]) == 0
-        expected = [json.loads(x)["text"] for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-        for p, text in zip(PROMPTS[:3], expected):
+        for p, text in zip(PROMPTS, target_alone(service, tmp_path)):
             r = client.completions.create(model="tiny-p", prompt=p, max_tokens=16, temperature=0)
-            assert r.choices[0].text == text
+            assert r.choices[0].text == text and r.usage.completion_tokens == 16
         st = serve.get_deployment_handle("Router-P", "startup").stats.remote().result()
         assert st["policy"] == "budget" and st["profile_problem"] is None, st
         sp = st["startup_profile"]
         assert sp["seconds"] > 0 and sp["batch_sizes"] == [1, 4] and sp["ks"] == [0, 1, 2, 4], sp
-        assert sum(n for k, n in st["k_steps"].items() if int(k) > 0) > 0 and st["regret"]
+        assert sum(n for k, n in st["k_steps"].items() if int(k) > 0) > 0 and st["regret"]  # the head's proposals
     finally:
         serve.delete("startup")
 
 
 @pytest.mark.parametrize("channel", [True, False])
-def test_eagle3_features_go_from_target_actor_to_draft_actor_directly(service, eagle_client, channel):
+def test_eagle3_features_go_from_target_actor_to_draft_actor_directly(service, eagle_head, channel):
     """Worker actors driven by an engine in this process, as a Router drives them: the target's features
     reach the draft's actor directly (counted there as direct bytes), over the target's own connection to
     the draft's channel (a tag crosses this process) or, over Ray calls, as an object-store reference; what
@@ -727,7 +709,7 @@ def test_eagle3_features_go_from_target_actor_to_draft_actor_directly(service, e
     from serve_app.engine.worker import Proposal
     from serve_app.models import load_models, load_tokenizer
 
-    model = {**service["model"], "draft": str(service["root"] / "eagle3-head")}
+    model = {**service["model"], "draft": eagle_head}
     actors = [cls.options(num_cpus=0, resources={"head": 0.001}).remote(model, 1) for cls in (TargetWorker, DraftWorker)]
     target, draft = (RemoteWorker(a, 60, count_bytes=True, channel=channel) for a in actors)
     target.features_to = lambda: draft
@@ -1254,14 +1236,14 @@ def test_echo_with_logprobs_returns_the_prompts_logprobs(service, stream):
 
 @pytest.fixture(scope="module")
 def smol(service):
-    """The embedded SmolLM2 (which spells JSON) with its EAGLE-3 draft at k = 2, as a fourth application
-    on the module's cluster, pinned to the head node."""
+    """The embedded SmolLM2 (which spells JSON) with its EAGLE-3 draft at k = 2, its Router in the ingress (as
+    `specserve serve` deploys it), as another application on the module's cluster, pinned to the head node."""
     from deployments.app import build_app
 
     cfg = {"model": {"target": "embedded", "dtype": "float32"},
            "engine": {"policy": "fixed:2", "max_batch_size": 4, "max_model_len": 1024},
            "groups": [{"name": "S", "gpu_type": "S", "torch_threads": 1, "resources": {"head": 0.01}}],
-           "served_model_name": "smol", "profiles_dir": None, "max_tokens_limit": 128}
+           "router_in_ingress": True, "served_model_name": "smol", "profiles_dir": None, "max_tokens_limit": 128}
     serve.run(build_app(cfg), name="smol", route_prefix="/smol")
     yield OpenAI(base_url=f"{service['url']}/smol/v1", api_key="unused", max_retries=0, timeout=180)
     # no serve.delete: the module's teardown shuts Serve and the cluster down (deleting it first took ~18 s)
@@ -1287,6 +1269,10 @@ def test_json_schema_output_is_valid_json_plain_and_streamed(smol):
     r = smol.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=5,
                                      temperature=0, extra_body={"guided_choice": ["yes", "no"]})
     assert r.choices[0].message.content in ("yes", "no")
+    deployments = serve.status().applications["smol"].deployments
+    assert "OpenAIIngress" in deployments and not any(name.startswith("Router") for name in deployments)
+    st = serve.get_deployment_handle("OpenAIIngress", "smol").stats.remote().result()["S"]
+    assert st["policy"] == "fixed:2" and st["k_steps"].get(2, 0) > 0  # the Router in the ingress drafted with EAGLE-3
 
 
 def test_forced_tool_calls_on_the_embedded_model(smol):
@@ -1320,8 +1306,7 @@ def test_router_calibrates_its_profile_online_exports_it_and_a_push_resets_it(se
                 model=MODEL, prompt=p, max_tokens=40, temperature=0, extra_body={"cache_salt": f"{time.time()}{p}"}),
                 PROMPTS + PROMPTS[:1]))
 
-    assert push(write_profile(tmp_path / "A.json", "A", 1, latency=grid)).returncode == 0
-    time.sleep(1.5)
+    pushed(write_profile(tmp_path / "A.json", "A", 1, latency=grid))
     drive()
     full = stats("A")
     st = full["calibration"]
@@ -1345,9 +1330,7 @@ def test_router_calibrates_its_profile_online_exports_it_and_a_push_resets_it(se
         time.sleep(1)
     assert shared and shared["source"] == "calibrated" and shared["latency"]["verify_ms"][0][0] < 900 * 0.2
     version = stats("A")["profile_version"]
-    assert push(write_profile(tmp_path / "A2.json", "A", 1, latency=grid)).returncode == 0
-    time.sleep(1.5)
-    again = stats("A")["calibration"]
+    again = pushed(write_profile(tmp_path / "A2.json", "A", 1, latency=grid))["calibration"]
     assert again["profile_version"] == version + 1 and again["used"] == 0 and again["steps"] < st["steps"]
     assert again["from"] == "measured"  # the measured push dropped the shared calibration
 

@@ -210,7 +210,7 @@ def test_validation_smoke_report_is_consistent_on_a_tiny_pair(tiny_model_dirs, t
                  "--out", str(prof)]) == 0
     out = tmp_path / "v"
     code = main(["simulate", "--validate", "--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"],
-                 "--profile", str(prof), "--policy", "none,fixed:2,budget", "--scale", "0.08", "--out", str(out)])
+                 "--profile", str(prof), "--policy", "none,fixed:2,budget", "--scale", "0.08", "--repeat", "2", "--out", str(out)])
     r = json.loads((out / "results.json").read_text())
     # budget: replayed per row, not in the one-k simulator
     assert set(r["error"]) == {"none", "fixed:2"} and set(r["replay_error"]) == {"none", "fixed:2", "budget"}
