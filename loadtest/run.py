@@ -8,7 +8,8 @@
 Writes into --out (default out/loadtest), all named after the shape: Locust's CSVs
 (<shape>_stats.csv, _stats_history.csv with every entry, _failures.csv, _exceptions.csv), its HTML
 page, the polled service metrics (<shape>_metrics.csv) and <shape>_report.png. Exit status: Locust's
-(1 when any request failed), 2 when the service could not be reached or started.
+(1 when any request failed), 2 when the service could not be reached or started. SIGTERM ends a run early: Locust
+stops and writes its CSVs, the report is still made, and a service the run started is stopped.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -61,6 +63,16 @@ def stop_local(proc: subprocess.Popen, wait_s: float = 60) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _leave(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # through the `finally`s: a service this run started is stopped, not orphaned
+
+
+def _on_sigterm(handler) -> None:
+    """SIGTERM (`kill`, a CI timeout, a Kubernetes Job's end) handled, where Python lets a handler be set."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
 
 
 def locust_command(a, prefix: Path) -> list[str]:
@@ -115,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         old.unlink()  # Locust appends to nothing, but the report must not mix runs
 
     proc = None
+    _on_sigterm(_leave)
     if not healthy(a.url):
         if not (local and a.serve == "auto"):
             print(f"loadtest: nothing answers at {a.url}/healthz", file=sys.stderr)
@@ -145,7 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loadtest: {a.shape} shape against {a.url} -> {out}/"
               + (f" (master + {a.workers} workers)" if workers else ""), flush=True)
         try:
-            rc = subprocess.run(cmd, env=env).returncode
+            locust = subprocess.Popen(cmd, env=env)
+            # a stop asked of the run ends Locust's run early: it writes its CSVs and the report still comes
+            _on_sigterm(lambda signum, frame: locust.terminate())
+            rc = locust.wait()
+            _on_sigterm(_leave)
         finally:
             for w in workers:  # they quit with the master; make sure
                 stop_local(w, wait_s=15)

@@ -288,6 +288,36 @@ def test_distributed_run_master_and_workers(fake_server, tmp_path):
     assert (out / "step_report.png").exists()
 
 
+def test_sigterm_ends_the_run_early_with_its_results_and_no_process_left(fake_server, tmp_path):
+    """`kill` (a CI timeout, a Job's end) of a distributed run a minute long: Locust's master stops the run and writes
+    its CSVs, the report is made, and neither Locust nor its workers outlive it (they used to run on, orphaned)."""
+    import psutil
+
+    out = tmp_path / "stopped"
+    before = FakeOpenAI.done
+    run = subprocess.Popen(**loadtest(["--url", fake_server, "--metrics-url", "", "--shape", "step", "--duration", "60",
+                                       "--max-tokens", "8", "--out", str(out), "--workers", "2",
+                                       "--master-port", str(free_port())]), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        history, deadline = out / "step_stats_history.csv", time.monotonic() + 60
+        while time.monotonic() < deadline and not (  # the run under way: requests answered and in the master's stats
+                FakeOpenAI.done >= before + 20 and history.exists()
+                and any(int(r["Total Request Count"]) > 0 for r in read_csv(history) if r["Name"] == "Aggregated")):
+            time.sleep(0.5)
+        children = psutil.Process(run.pid).children(recursive=True)
+        assert len(children) >= 3, children  # the master and its two workers
+        started = time.monotonic()
+        run.send_signal(signal.SIGTERM)
+        stdout, stderr = run.communicate(timeout=60)
+    finally:
+        run.kill()
+    assert time.monotonic() - started < 30
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, alive
+    assert "requests" in stdout and (out / "step_report.png").exists(), stdout + stderr
+    assert int(next(r for r in read_csv(out / "step_stats.csv") if r["Name"] == "Aggregated")["Request Count"]) > 0
+
+
 def test_non_streaming_requests_record_tpot_but_no_ttft(fake_server, tmp_path):
     out = tmp_path / "lt"
     r = run_loadtest(["--url", fake_server, "--metrics-url", "", "--shape", "step", "--duration", "4",
@@ -468,7 +498,7 @@ def test_prometheus_evaluates_every_dashboard_query_and_the_alert_rules(live, tm
         # traffic until every query answered (then stopped: its own results are the smoke run's to check)
         run = subprocess.Popen(**loadtest(["--url", live["url"], "--shape", "step", "--duration", "40", "--max-tokens", "16",
                                            "--out", str(tmp_path / "locust")]),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for _ in range(3):  # refused by the engine (past the context limit): a status other than 200
             httpx.post(f"{live['url']}/v1/completions", timeout=60,
                        json={"model": "tiny", "prompt": "the cat sat " * 120, "max_tokens": 4})
@@ -489,8 +519,6 @@ def test_prometheus_evaluates_every_dashboard_query_and_the_alert_rules(live, tm
             "SpecserveErrorRatioHigh", "SpecserveQueueTimeHigh", "SpecserveKVPoolFull", "SpecserveAcceptanceCollapse"}
         assert all(r["health"] == "ok" for g in rules for r in g["rules"]), rules
     finally:
-        if run is not None:  # loadtest.run and the Locust it started
-            os.killpg(run.pid, signal.SIGTERM)
-            run.wait(timeout=30)
-        server.terminate()
-        server.wait(timeout=30)
+        for process in filter(None, (run, server)):  # loadtest.run stops the Locust it started
+            process.terminate()
+            process.wait(timeout=60)
