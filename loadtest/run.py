@@ -45,12 +45,16 @@ def start_local(port: int, metrics_port: int, wait_s: float, serve_args: list[st
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + wait_s
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the local service exited with status {proc.returncode}")
-        if healthy(url):
-            return proc
-        time.sleep(2)
+    try:
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the local service exited with status {proc.returncode}")
+            if healthy(url):
+                return proc
+            time.sleep(2)
+    except BaseException:  # SIGTERM while it starts, too (`_leave`)
+        stop_local(proc)
+        raise
     stop_local(proc)
     raise RuntimeError(f"the local service did not answer {url}/healthz within {wait_s:.0f} s")
 
