@@ -52,11 +52,10 @@ def start_local(port: int, metrics_port: int, wait_s: float, serve_args: list[st
             if healthy(url):
                 return proc
             time.sleep(2)
-    except BaseException:  # SIGTERM while it starts, too (`_leave`)
+        raise RuntimeError(f"the local service did not answer {url}/healthz within {wait_s:.0f} s")
+    except BaseException:  # those, and SIGTERM while it starts (`_leave`)
         stop_local(proc)
         raise
-    stop_local(proc)
-    raise RuntimeError(f"the local service did not answer {url}/healthz within {wait_s:.0f} s")
 
 
 def stop_local(proc: subprocess.Popen, wait_s: float = 60) -> None:
@@ -165,8 +164,13 @@ def main(argv: list[str] | None = None) -> int:
             locust = subprocess.Popen(cmd, env=env)
             # a stop asked of the run ends Locust's run early: it writes its CSVs and the report still comes
             _on_sigterm(lambda signum, frame: locust.terminate())
-            rc = locust.wait()
-            _on_sigterm(_leave)
+            try:
+                rc = locust.wait()
+            except BaseException:  # Ctrl-C and the like: not left running (as subprocess.run has it)
+                locust.kill()
+                raise
+            finally:
+                _on_sigterm(_leave)
         finally:
             for w in workers:  # they quit with the master; make sure
                 stop_local(w, wait_s=15)
