@@ -582,13 +582,19 @@ def eagle_head(service) -> str:
     return str(head)
 
 
-def target_alone(service, tmp_path) -> list[str]:
-    """PROMPTS' 16-token greedy texts from the target decoding alone (`specserve generate --policy none`)."""
+def target_alone(service, tmp_path, max_tokens: int = 16) -> list[str]:
+    """PROMPTS' greedy texts from the target decoding alone (`specserve generate --policy none`)."""
     (tmp_path / "in.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS))
     assert cli_main(["generate", "--prompts", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "out.jsonl"),
-                     "--target", service["model"]["target"], "--dtype", "float64", "--max-tokens", "16",
+                     "--target", service["model"]["target"], "--dtype", "float64", "--max-tokens", str(max_tokens),
                      "--policy", "none"]) == 0
     return [json.loads(x)["text"] for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+
+
+def hosts_its_router(app: str) -> bool:
+    """Whether the application's ingress hosts its Router (`AppConfig.router_in_ingress`): no Router deployment."""
+    deployments = serve.status().applications[app].deployments
+    return "OpenAIIngress" in deployments and not any(name.startswith("Router") for name in deployments)
 
 
 @pytest.fixture(scope="module")
@@ -619,8 +625,7 @@ def test_router_in_the_ingress_streams_the_target_alone_text_with_no_router_depl
     assert streamed == expected
     whole = client.completions.create(model="tiny-direct", prompt=PROMPTS[0], max_tokens=16, temperature=0)
     assert whole.choices[0].text == expected[0] and whole.usage.completion_tokens == 16
-    deployments = serve.status().applications["direct"].deployments
-    assert "OpenAIIngress" in deployments and not any(name.startswith("Router") for name in deployments)
+    assert hosts_its_router("direct")
     assert httpx.get(f"{direct['url']}/readyz", timeout=30).status_code == 200
     ingress = serve.get_deployment_handle("OpenAIIngress", "direct")
     assert ingress.breakdown.remote().result()["D"]["steps"] > 0  # `specserve breakdown` reads them through the ingress
@@ -761,12 +766,7 @@ def crash(service, tmp_path_factory):
         "health_check_period_s": 1, "replica_wait_s": 90, "drain_timeout_s": 30,
     }
     serve.run(build_app(cfg), name="crash", route_prefix="/crash")
-    tmp = tmp_path_factory.mktemp("crash")
-    (tmp / "in.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS))
-    assert cli_main(["generate", "--prompts", str(tmp / "in.jsonl"), "--out", str(tmp / "out.jsonl"),
-                     "--target", service["model"]["target"], "--dtype", "float64",
-                     "--max-tokens", str(CRASH_TOKENS)]) == 0
-    expected = [json.loads(x)["text"] for x in (tmp / "out.jsonl").read_text().splitlines()]
+    expected = target_alone(service, tmp_path_factory.mktemp("crash"), CRASH_TOKENS)
     yield {"client": OpenAI(base_url=f"{service['url']}/crash/v1", api_key="unused", max_retries=0, timeout=180),
            "url": f"{service['url']}/crash", "expected": expected}
     serve.delete("crash")
@@ -1269,8 +1269,7 @@ def test_json_schema_output_is_valid_json_plain_and_streamed(smol):
     r = smol.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=5,
                                      temperature=0, extra_body={"guided_choice": ["yes", "no"]})
     assert r.choices[0].message.content in ("yes", "no")
-    deployments = serve.status().applications["smol"].deployments
-    assert "OpenAIIngress" in deployments and not any(name.startswith("Router") for name in deployments)
+    assert hosts_its_router("smol")
     st = serve.get_deployment_handle("OpenAIIngress", "smol").stats.remote().result()["S"]
     assert st["policy"] == "fixed:2" and st["k_steps"].get(2, 0) > 0  # the Router in the ingress drafted with EAGLE-3
 
